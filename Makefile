@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+RECIPE ?= recipes/tiny_gpt_cpu.yaml
+
+.PHONY: demo test test-fast bench clean
+
+# torch==2.13.0 first: it is the CPU build lying on this disk; a bare `torch` would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/lightning-accel fit --config $(RECIPE)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not multiprocess"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) lightning_logs runs checkpoints

@@ -1,0 +1,31 @@
+"""lightning-accel: make any LightningModule train fast and survive interruptions.
+
+Importing the package registers the strategy presets (``accel_ddp``, ``accel_zero2`` ...) in
+Lightning's ``StrategyRegistry``.
+"""
+
+from lightning_accel.checkpoint import AtomicCheckpointIO, PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.compile import CompileCallback
+from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
+from lightning_accel.monitor import ThroughputCallback, UtilizationMonitor
+from lightning_accel.precision import auto_precision, choose_precision
+from lightning_accel.strategies import PRESETS, register_presets
+
+register_presets()
+
+__version__ = "0.1.0"
+__all__ = [
+    "PRESETS",
+    "AtomicCheckpointIO",
+    "CompileCallback",
+    "PreemptionCheckpoint",
+    "ResumableDataLoader",
+    "SyntheticClassificationDataModule",
+    "SyntheticTokenDataModule",
+    "ThroughputCallback",
+    "UtilizationMonitor",
+    "auto_precision",
+    "choose_precision",
+    "find_resume_checkpoint",
+    "register_presets",
+]

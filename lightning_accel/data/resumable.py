@@ -1,0 +1,118 @@
+"""A DataLoader that remembers its position inside an epoch, so a mid-epoch resume continues exactly.
+
+Lightning saves and restores the state of any train DataLoader that has ``state_dict``/``load_state_dict``
+(see ``CombinedLoader._state_dicts``); a plain ``DataLoader`` has none, so after a mid-epoch resume it
+would replay the epoch from its first batch. :class:`ResumableDataLoader` fills that gap without
+torchdata: its sampler is a seeded :class:`~torch.utils.data.DistributedSampler` (Lightning keeps it
+as-is under DDP and calls ``set_epoch`` on it) that can skip the samples already consumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+# Lightning's default fetcher (`_PrefetchDataFetcher(prefetch_batches=1)`) asks for one batch ahead, to
+# know whether the current one is the last. When a checkpoint is written mid-epoch, that batch has been
+# drawn from the iterator but not trained on, so it must not count as consumed.
+_PREFETCHED_BATCHES = 1
+
+
+class ResumableSampler(DistributedSampler):
+    """Seeded, rank-sharded sampler that can skip the first ``n`` samples of its next epoch.
+
+    Works in a single process too (``num_replicas`` and ``rank`` default to the initialised process
+    group, else 1 and 0). The order depends only on ``seed`` and the epoch, never on global RNG state.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        initialised = dist.is_available() and dist.is_initialized()
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if initialised else 1
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self._skip = 0
+
+    def skip_next_epoch_start(self, num_samples: int) -> None:
+        """Make the next ``__iter__`` start ``num_samples`` into this rank's order."""
+        self._skip = num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        skip, self._skip = self._skip, 0
+        return iter(indices[skip:])
+
+
+class ResumableDataLoader(DataLoader):
+    """``DataLoader`` whose in-epoch position is saved in Lightning checkpoints and restored on resume.
+
+    Args:
+        dataset: Map-style dataset.
+        batch_size: Samples per batch.
+        shuffle: Shuffle with a permutation seeded by ``seed`` and the epoch.
+        seed: Seed of the shuffle order.
+        drop_last: Drop the last incomplete batch of each rank.
+        **kwargs: Passed to :class:`~torch.utils.data.DataLoader` (``num_workers``, ``pin_memory`` ...).
+            ``sampler`` may be given only as a :class:`ResumableSampler`.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        sampler = kwargs.pop("sampler", None)
+        if sampler is None:
+            sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed)
+        elif not isinstance(sampler, ResumableSampler):
+            raise TypeError(
+                f"ResumableDataLoader needs a ResumableSampler, got {type(sampler).__name__}; "
+                "pass shuffle/seed instead of a sampler"
+            )
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+        self._yielded = 0
+        self._exhausted = False
+        self._resume: dict[str, int] | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        start = 0
+        if self._resume is not None and self._resume["epoch"] == self.sampler.epoch:
+            start = self._resume["batches_consumed"]
+            self.sampler.skip_next_epoch_start(start * self.batch_size)
+        self._resume = None
+        return self._count(super().__iter__(), start)
+
+    def _count(self, batches: Iterator[Any], start: int) -> Iterator[Any]:
+        self._yielded, self._exhausted = start, False
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+        self._exhausted = True
+
+    def state_dict(self) -> dict[str, int]:
+        """Epoch and number of batches trained on in it (prefetched batches excluded)."""
+        consumed = self._yielded if self._exhausted else max(0, self._yielded - _PREFETCHED_BATCHES)
+        return {"epoch": int(self.sampler.epoch), "batches_consumed": consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the saved epoch after its consumed batches (a state from another epoch is ignored)."""
+        missing = {"epoch", "batches_consumed"} - set(state)
+        if missing:
+            raise ValueError(f"ResumableDataLoader state is missing {sorted(missing)}: got {state}")
+        self._resume = {"epoch": int(state["epoch"]), "batches_consumed": int(state["batches_consumed"])}

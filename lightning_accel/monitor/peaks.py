@@ -1,0 +1,58 @@
+"""Peak FLOP/s per device and dtype, for MFU.
+
+CUDA devices come from Lightning's own table (``get_available_flops``); the AMD MI300X and CPUs are
+added here. CPU peaks are estimates (cores x clock x FLOPs per cycle) and are labelled as such.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+
+# Dense (no sparsity) peaks in FLOP/s, from the vendor datasheets.
+_EXTRA_GPU_PEAKS: dict[str, dict[str, float]] = {
+    "mi300x": {"bf16": 1307.4e12, "fp16": 1307.4e12, "fp32": 163.4e12},
+    "mi250x": {"bf16": 383.0e12, "fp16": 383.0e12, "fp32": 47.9e12},
+}
+# FLOPs per cycle per core for fp32 FMA: 2 AVX2 FMA units x 8 lanes x 2 (AVX-512 doubles the lanes).
+_CPU_FLOPS_PER_CYCLE = 32.0
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """Compute dtype of matmuls under a Lightning precision string."""
+    if precision.startswith("16") or precision == "transformer-engine-float16":
+        return torch.float16
+    if precision.startswith("bf16") or precision == "transformer-engine":
+        return torch.bfloat16  # fp8 MFU is reported against the bf16 peak, the common convention
+    if precision.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
+def cpu_peak_flops(num_cores: int | None = None, freq_mhz: float | None = None) -> float:
+    """Estimated fp32 peak of this process's usable cores (an estimate: no datasheet for a CPU)."""
+    if num_cores is None:
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if freq_mhz is None:
+        freq = psutil.cpu_freq()
+        freq_mhz = (freq.max or freq.current) if freq else 0.0
+        freq_mhz = freq_mhz or 2500.0  # VMs often hide the clock; assume a typical server core
+    return num_cores * freq_mhz * 1e6 * _CPU_FLOPS_PER_CYCLE
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """Peak FLOP/s of ``device`` for ``dtype`` and where the number comes from (``None`` if unknown)."""
+    if device.type == "cpu":
+        return cpu_peak_flops(), "cpu-estimate"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        for key, table in _EXTRA_GPU_PEAKS.items():
+            if key in name:
+                short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+                return table[short], "datasheet"
+        flops = get_available_flops(device, dtype)
+        return (float(flops), "datasheet") if flops else (None, "unknown device")
+    return None, "unknown device"

@@ -1,0 +1,161 @@
+"""GPU (NVML) and host (psutil) telemetry at a wall-clock interval, with an optional Prometheus exporter."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import psutil
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_accel.monitor.summary import print_summary
+
+log = logging.getLogger(__name__)
+
+
+class _NVML:
+    """Thin guard over nvidia-ml-py: ``available`` is False (with ``reason``) when there is no driver."""
+
+    def __init__(self, device_index: int | None) -> None:
+        self.available, self.reason, self.handle = False, "", None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device_index if device_index is not None else 0
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.pynvml = pynvml
+            self.available = True
+        except Exception as err:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded ...
+            self.reason = f"{type(err).__name__}: {err}"
+
+    def read(self) -> dict[str, float]:
+        nv = self.pynvml
+        util = nv.nvmlDeviceGetUtilizationRates(self.handle)
+        mem = nv.nvmlDeviceGetMemoryInfo(self.handle)
+        return {
+            "gpu/utilization_pct": float(util.gpu),
+            "gpu/memory_used_gib": mem.used / 2**30,
+            "gpu/memory_total_gib": mem.total / 2**30,
+            "gpu/power_w": nv.nvmlDeviceGetPowerUsage(self.handle) / 1000.0,
+            "gpu/temperature_c": float(nv.nvmlDeviceGetTemperature(self.handle, nv.NVML_TEMPERATURE_GPU)),
+        }
+
+    def close(self) -> None:
+        if self.available:
+            self.pynvml.nvmlShutdown()
+
+
+class UtilizationMonitor(Callback):
+    """Log device and host utilization every ``interval_s`` seconds of training.
+
+    GPU metrics (utilization, memory used/total, power, temperature) come from NVML when a driver is
+    present; without one they are skipped and the reason is logged once. Host metrics (CPU %, RAM,
+    process RSS) come from psutil and are always logged. Sampling happens at batch boundaries, so no
+    thread competes with training.
+
+    Args:
+        interval_s: Minimum seconds between two samples.
+        prometheus_port: Serve the latest sample as Prometheus gauges on this port (``None``: off).
+        prometheus_addr: Address to bind; loopback by default, so nothing is exposed unintentionally.
+        summary: Print peak values at the end of fit.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = 10.0,
+        prometheus_port: int | None = None,
+        prometheus_addr: str = "127.0.0.1",
+        summary: bool = True,
+    ) -> None:
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
+        self.interval_s = interval_s
+        self.prometheus_port = prometheus_port
+        self.prometheus_addr = prometheus_addr
+        self.summary = summary
+        self.nvml: _NVML | None = None
+        self.last: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
+        self._next_sample = 0.0
+        self._process = psutil.Process()
+        self._server: Any = None
+        self._gauges: dict[str, Any] = {}
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.nvml is not None:
+            return
+        index = pl_module.device.index if pl_module.device.type == "cuda" else None
+        self.nvml = _NVML(index if torch.cuda.is_available() else None)
+        if not self.nvml.available:
+            log.info("GPU telemetry off (%s); logging host metrics only", self.nvml.reason)
+        if self.prometheus_port is not None and trainer.is_global_zero:
+            self._start_exporter()
+        psutil.cpu_percent(interval=None)  # first call primes the counter; it always returns 0.0
+
+    def _start_exporter(self) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError as err:
+            raise ImportError(
+                "UtilizationMonitor(prometheus_port=...) needs prometheus_client: "
+                "pip install 'lightning-accel[prometheus]'"
+            ) from err
+        self._registry = CollectorRegistry()
+        self._server, _ = start_http_server(self.prometheus_port, addr=self.prometheus_addr, registry=self._registry)
+        log.info("Prometheus metrics on http://%s:%d/metrics", self.prometheus_addr, self.prometheus_port)
+
+    def sample(self) -> dict[str, float]:
+        """Read all metrics now."""
+        vm = psutil.virtual_memory()
+        metrics = {
+            "host/cpu_pct": psutil.cpu_percent(interval=None),
+            "host/ram_used_gib": (vm.total - vm.available) / 2**30,
+            "host/ram_total_gib": vm.total / 2**30,
+            "host/process_rss_gib": self._process.memory_info().rss / 2**30,
+        }
+        if self.nvml is not None and self.nvml.available:
+            metrics.update(self.nvml.read())
+        return metrics
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.monotonic()
+        if now < self._next_sample:
+            return
+        self._next_sample = now + self.interval_s
+        self.last = self.sample()
+        for key, value in self.last.items():
+            self.peaks[key] = max(value, self.peaks.get(key, value))
+        self._publish(trainer)
+
+    @rank_zero_only
+    def _publish(self, trainer: Trainer) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(self.last, step=trainer.global_step)
+        if self._server is not None:
+            from prometheus_client import Gauge
+
+            for key, value in self.last.items():
+                name = "lightning_accel_" + key.replace("/", "_")
+                if name not in self._gauges:
+                    self._gauges[name] = Gauge(name, key, registry=self._registry)
+                self._gauges[name].set(value)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.summary and trainer.is_global_zero and self.peaks:
+            print_summary("lightning-accel utilization (peaks)", self.peaks)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+            self._gauges.clear()
+        if self.nvml is not None:
+            self.nvml.close()
+            self.nvml = None

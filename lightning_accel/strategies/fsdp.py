@@ -1,0 +1,116 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) applied automatically, with no change to the module.
+
+Lightning's ``ModelParallelStrategy`` expects the user to shard inside ``configure_model``; this
+subclass does it for any LightningModule: each repeated block (the children of ``nn.ModuleList``s, or
+the classes you name) becomes one FSDP unit, optionally activation-checkpointed, then the root.
+It runs wherever FSDP2 does, the CPU on gloo included.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.constants import default_pg_timeout
+
+log = logging.getLogger(__name__)
+
+
+def find_block_classes(model: nn.Module, names: Sequence[str] | None = None) -> set[type[nn.Module]]:
+    """Module classes to shard one by one: ``names`` if given, else the classes held in ``nn.ModuleList``s."""
+    if names:
+        found = {type(m) for m in model.modules() if type(m).__name__ in set(names)}
+        missing = set(names) - {c.__name__ for c in found}
+        if missing:
+            raise ValueError(f"block_classes {sorted(missing)} do not occur in {type(model).__name__}")
+        return found
+    return {
+        type(child)
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        for child in m
+        if any(True for _ in child.parameters())
+    }
+
+
+class AccelFSDPStrategy(ModelParallelStrategy):
+    """Fully sharded data parallel (FSDP2) over all devices, sharding the module automatically.
+
+    Args:
+        block_classes: Class names of the blocks to shard individually; ``None`` detects them.
+        activation_checkpointing: Recompute each block's activations in the backward pass.
+        mixed_precision: ``"bf16"`` computes in bf16 with fp32 master weights and fp32 gradient reduction;
+            ``None`` keeps fp32. (This replaces ``Trainer(precision="bf16-mixed")`` autocast for FSDP.)
+        reshard_after_forward: Free gathered parameters after forward (ZeRO-3 memory); ``False`` keeps
+            them until backward (ZeRO-2-like, faster, more memory).
+        save_distributed_checkpoint: Save a sharded folder (``True``) or one full file on rank 0.
+        process_group_backend: ``"nccl"``/``"gloo"``; ``None`` picks by device.
+        timeout: Collective timeout.
+    """
+
+    def __init__(
+        self,
+        block_classes: Sequence[str] | None = None,
+        activation_checkpointing: bool = False,
+        mixed_precision: str | None = None,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if mixed_precision not in (None, "bf16"):
+            raise ValueError(f"mixed_precision must be None or 'bf16', got {mixed_precision!r}")
+        self.block_classes = list(block_classes) if block_classes else None
+        self.activation_checkpointing = activation_checkpointing
+        self.mixed_precision = mixed_precision
+        self.reshard_after_forward = reshard_after_forward
+
+    def shard(self, module: nn.Module) -> set[type[nn.Module]]:
+        """Apply activation checkpointing and ``fully_shard`` to ``module`` in place; returns the block classes."""
+        blocks = find_block_classes(module, self.block_classes)
+        if not blocks:
+            log.warning("no repeated blocks found in %s: sharding it as one unit", type(module).__name__)
+        if self.activation_checkpointing and blocks:
+            apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, tuple(blocks)))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.mixed_precision else MixedPrecisionPolicy()
+        kwargs: dict[str, Any] = {"mesh": self.device_mesh["data_parallel"], "mp_policy": mp}
+        for m in list(module.modules()):
+            if isinstance(m, tuple(blocks)):
+                fully_shard(m, reshard_after_forward=self.reshard_after_forward, **kwargs)
+        fully_shard(module, **kwargs)
+        rank_zero_info(
+            f"accel_fsdp: sharded {sorted(c.__name__ for c in blocks)} over {self.world_size} ranks "
+            f"(activation checkpointing: {self.activation_checkpointing}, mixed precision: {self.mixed_precision})"
+        )
+        return blocks
+
+    def setup(self, trainer: Trainer) -> None:
+        # ModelParallelStrategy.setup, with our automatic sharding in place of the required configure_model.
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.shard(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
