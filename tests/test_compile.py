@@ -1,0 +1,81 @@
+"""CompileCallback: compiled training matches eager, failures fall back (or raise), modules are restored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch import nn
+
+from lightning_accel.compile import CompileCallback
+from lightning_accel.data import SyntheticClassificationDataModule
+from lightning_accel.models import MLPClassifier
+
+from .conftest import tiny_trainer_kwargs
+
+
+class GraphBreakMLP(MLPClassifier):
+    """A forward that cannot be captured as one graph: fails under fullgraph=True."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return self.net(x)
+
+
+def train(tmp_path, model: MLPClassifier, callbacks, steps: int = 6) -> list[float]:
+    seed_everything(0)
+    losses: list[float] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    dm = SyntheticClassificationDataModule(num_samples=256, input_dim=16, num_classes=4, batch_size=32)
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=steps, callbacks=[*callbacks, Record()]))
+    trainer.fit(model, datamodule=dm)
+    return losses
+
+
+def fresh(cls=MLPClassifier) -> MLPClassifier:
+    torch.manual_seed(0)
+    return cls(input_dim=16, hidden_dim=32, num_classes=4)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_losses_match_eager(tmp_path):
+    eager = train(tmp_path, fresh(), [])
+    cb = CompileCallback()
+    compiled = train(tmp_path, fresh(), [cb])
+    assert cb.failed == {}
+    assert list(cb.compile_time_s) == ["MLPClassifier"] and cb.compile_time_s["MLPClassifier"] > 0
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-5)
+    assert compiled != pytest.approx([compiled[0]] * len(compiled))  # it trained
+
+
+def test_failed_compilation_falls_back_to_eager(tmp_path, caplog):
+    eager = train(tmp_path, fresh(GraphBreakMLP), [])
+    cb = CompileCallback(fullgraph=True, backend="eager")
+    with caplog.at_level("WARNING", logger="lightning_accel.compile"):
+        fallback = train(tmp_path, fresh(GraphBreakMLP), [cb])
+    assert list(cb.failed) == ["GraphBreakMLP"]
+    assert "running it eagerly" in caplog.text
+    assert cb.compile_time_s == {}
+    assert fallback == eager  # the eager path, bit for bit
+
+
+def test_failed_compilation_raises_when_fallback_disabled(tmp_path):
+    with pytest.raises(Exception, match="graph_break|Unsupported|graph break"):
+        train(tmp_path, fresh(GraphBreakMLP), [CompileCallback(fullgraph=True, backend="eager", fallback=False)])
+
+
+def test_named_submodule_is_compiled_and_restored(tmp_path):
+    model = fresh()
+    cb = CompileCallback(modules=["net"], backend="aot_eager")
+    train(tmp_path, model, [cb], steps=2)
+    assert list(cb.compile_time_s) == ["net"]
+    assert "forward" not in model.net.__dict__  # teardown gave the module its eager forward back
+
+
+def test_unknown_submodule_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="has no submodule 'encoder'"):
+        train(tmp_path, fresh(), [CompileCallback(modules=["encoder"])], steps=1)
