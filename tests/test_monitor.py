@@ -1,0 +1,136 @@
+"""Throughput and utilization callbacks: exact FLOPs, hand-computed rates, data wait, NVML-less path."""
+
+from __future__ import annotations
+
+import csv
+import socket
+import time
+import urllib.request
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import Dataset
+
+from lightning_accel.data import SyntheticClassificationDataModule, SyntheticTokenDataModule
+from lightning_accel.models import MLPClassifier, TinyGPT
+from lightning_accel.monitor import ThroughputCallback, UtilizationMonitor, cpu_peak_flops
+from lightning_accel.monitor.throughput import _Step
+
+from .conftest import tiny_trainer_kwargs
+
+
+def fit(tmp_path, model, dm, callbacks, **kw):
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, callbacks=callbacks, **kw))
+    trainer.fit(model, datamodule=dm)
+    return trainer
+
+
+def test_flops_are_exact_for_a_linear_stack(tmp_path):
+    cb = ThroughputCallback(summary=False)
+    model = MLPClassifier(input_dim=16, hidden_dim=32, num_layers=2, num_classes=4)
+    fit(tmp_path, model, SyntheticClassificationDataModule(num_samples=128, input_dim=16, batch_size=32), [cb], max_steps=3)
+    b = 32
+    layer = [2 * b * 16 * 32, 2 * b * 32 * 32, 2 * b * 32 * 4]  # forward matmuls, 2*M*N*K each
+    # backward: weight grads for every layer, input grads for all but the first (the data needs none)
+    assert cb.flops_per_batch == 3 * sum(layer) - layer[0]
+
+
+def test_rates_and_mfu_match_hand_computation():
+    cb = ThroughputCallback(flops_per_batch=1e9)
+    cb.peak = 1e11
+    steps = [_Step(compute_s=0.08, wait_s=0.02, samples=32, tokens=32 * 64), _Step(0.06, 0.04, 32, 32 * 64)]
+    m = cb.compute(steps, world_size=2)
+    total = 0.2
+    assert m["throughput/samples_per_sec"] == pytest.approx(2 * 64 / total)
+    assert m["throughput/tokens_per_sec"] == pytest.approx(2 * 64 * 64 / total)
+    assert m["throughput/step_time_ms"] == pytest.approx(100.0)
+    assert m["throughput/compute_time_ms"] == pytest.approx(70.0)
+    assert m["throughput/data_wait_share"] == pytest.approx(0.3)
+    assert m["throughput/tflops_per_sec_per_device"] == pytest.approx(2e9 / total / 1e12)
+    assert m["throughput/mfu"] == pytest.approx((2e9 / total) / 1e11)
+
+
+def test_tokens_per_sec_logged_for_token_batches(tmp_path):
+    cb = ThroughputCallback(log_every_n_steps=2, summary=False)
+    logger = CSVLogger(tmp_path, name="run")
+    dm = SyntheticTokenDataModule(num_samples=64, seq_len=16, vocab_size=32, batch_size=8)
+    fit(tmp_path, TinyGPT(vocab_size=32, seq_len=16, d_model=16, n_layers=1, n_heads=2), dm, [cb], max_steps=8, logger=logger)
+    r = cb.results
+    assert r["throughput/tokens_per_sec"] == pytest.approx(16 * r["throughput/samples_per_sec"])
+    assert r["throughput/steps_measured"] == 8 - cb.warmup_steps
+    assert 0 < r["throughput/mfu"] < 1
+    logger.save()
+    rows = list(csv.DictReader(open(logger.log_dir + "/metrics.csv")))
+    logged = [row for row in rows if row.get("throughput/samples_per_sec")]
+    assert [int(row["step"]) for row in logged] == [4, 6, 8]  # steps 2 is still warm-up; logged every 2
+
+
+class SlowDataset(Dataset):
+    def __init__(self, n: int = 48, delay_s: float = 0.01) -> None:
+        self.n, self.delay_s = n, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        time.sleep(self.delay_s)
+        return torch.randn(16), torch.tensor(i % 4)
+
+
+class SlowDataModule(SyntheticClassificationDataModule):
+    def setup(self, stage=None):
+        super().setup(stage)
+        self.train_set = SlowDataset()
+
+
+def test_slow_input_pipeline_is_detected(tmp_path):
+    cb = ThroughputCallback(summary=False, warmup_steps=1)
+    with pytest.warns(UserWarning, match="Input pipeline bound"):
+        fit(tmp_path, MLPClassifier(input_dim=16), SlowDataModule(batch_size=4, input_dim=16), [cb], max_steps=10)
+    # each batch sleeps 4 x 10 ms while the step itself takes well under 10 ms
+    assert cb.results["throughput/data_wait_share"] > 0.5
+
+
+def test_cpu_peak_estimate():
+    assert cpu_peak_flops(num_cores=2, freq_mhz=3000.0) == 2 * 3e9 * 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_utilization_without_nvml_logs_host_metrics_and_serves_prometheus(tmp_path):
+    port = free_port()
+    scraped: list[str] = []
+
+    class Scrape(UtilizationMonitor):
+        def on_train_end(self, trainer, pl_module):
+            scraped.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+
+    cb = Scrape(interval_s=0.0, prometheus_port=port, summary=False)
+    logger = CSVLogger(tmp_path, name="util")
+    fit(tmp_path, MLPClassifier(input_dim=16), SyntheticClassificationDataModule(num_samples=64, input_dim=16, batch_size=16), [cb], max_steps=3, logger=logger)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the NVML-absent path cannot be exercised here")
+    assert cb.nvml is None  # closed at teardown
+    assert set(cb.last) == {"host/cpu_pct", "host/ram_used_gib", "host/ram_total_gib", "host/process_rss_gib"}
+    assert 0 < cb.last["host/process_rss_gib"] < cb.last["host/ram_total_gib"]
+    assert "lightning_accel_host_process_rss_gib" in scraped[0]
+    logger.save()
+    rows = list(csv.DictReader(open(logger.log_dir + "/metrics.csv")))
+    assert len([r for r in rows if r.get("host/cpu_pct")]) == 3
+    with pytest.raises(OSError):  # the exporter was shut down with the run
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_nvml_reason_recorded_when_absent(tmp_path, caplog):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: NVML is expected to work")
+    from lightning_accel.monitor.utilization import _NVML
+
+    nvml = _NVML(None)
+    assert not nvml.available and nvml.reason  # e.g. "NVMLError_LibraryNotFound: ..."
