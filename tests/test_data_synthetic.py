@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
@@ -27,30 +28,39 @@ def test_classification_labels_come_from_teacher():
     assert len(dm.val_set) == 16
 
 
+def epoch_order(data, epoch, **kw):
+    loader = ResumableDataLoader(data, **kw)
+    loader.sampler.set_epoch(epoch)
+    return [b.tolist() for b in loader]
+
+
 def test_resumable_loader_skips_consumed_batches_of_same_epoch():
     data = torch.arange(20)
-    full = ResumableDataLoader(data, batch_size=4, seed=7)
-    full.sampler.set_epoch(2)
-    expected = [b.tolist() for b in full]
+    expected = epoch_order(data, 2, batch_size=4, seed=7)
     assert sorted(sum(expected, [])) == list(range(20))
 
     first = ResumableDataLoader(data, batch_size=4, seed=7)
     first.sampler.set_epoch(2)
     it = iter(first)
-    seen = [next(it).tolist() for _ in range(3)]  # trained on 2, the 3rd is the fetcher's prefetch
+    seen = [next(it).tolist() for _ in range(2)]
     state = first.state_dict()
     assert state == {"epoch": 2, "batches_consumed": 2}
 
     resumed = ResumableDataLoader(data, batch_size=4, seed=7)
-    resumed.load_state_dict(state)
-    resumed.sampler.set_epoch(2)
-    assert seen[:2] + [b.tolist() for b in resumed] == expected
-    assert resumed.state_dict() == {"epoch": 2, "batches_consumed": 5}  # exhausted: nothing prefetched
+    resumed.load_state_dict(state)  # sets the epoch itself: Lightning iterates before set_epoch on resume
+    assert seen + [b.tolist() for b in resumed] == expected
+    assert resumed.state_dict() == {"epoch": 3, "batches_consumed": 0}  # exhausted: next epoch's start
 
 
-def test_resume_state_from_another_epoch_is_ignored():
+def test_state_after_an_epoch_points_at_the_next_one():
     data = torch.arange(8)
     loader = ResumableDataLoader(data, batch_size=2, seed=0)
-    loader.load_state_dict({"epoch": 0, "batches_consumed": 3})
-    loader.sampler.set_epoch(1)
     assert len(list(loader)) == 4
+    resumed = ResumableDataLoader(data, batch_size=2, seed=0)
+    resumed.load_state_dict(loader.state_dict())
+    assert [b.tolist() for b in resumed] == epoch_order(data, 1, batch_size=2, seed=0)
+
+
+def test_bad_resume_state_is_a_clear_error():
+    with pytest.raises(ValueError, match="missing \\['batches_consumed'\\]"):
+        ResumableDataLoader(torch.arange(4)).load_state_dict({"epoch": 1})

@@ -15,10 +15,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-# Lightning's default fetcher (`_PrefetchDataFetcher(prefetch_batches=1)`) asks for one batch ahead, to
-# know whether the current one is the last. When a checkpoint is written mid-epoch, that batch has been
-# drawn from the iterator but not trained on, so it must not count as consumed.
-_PREFETCHED_BATCHES = 1
+# Every batch drawn from the iterator has been trained on when a checkpoint is written: Lightning's
+# `_PrefetchDataFetcher` only reads ahead for loaders without a length, and this one always has one.
+# (The bitwise resume test in tests/test_checkpoint.py fails if that ever changes.)
 
 
 class ResumableSampler(DistributedSampler):
@@ -88,31 +87,39 @@ class ResumableDataLoader(DataLoader):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
         self._yielded = 0
         self._exhausted = False
-        self._resume: dict[str, int] | None = None
+        self._resume_at = 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        start = 0
-        if self._resume is not None and self._resume["epoch"] == self.sampler.epoch:
-            start = self._resume["batches_consumed"]
+        start, self._resume_at = self._resume_at, 0
+        if start:
             self.sampler.skip_next_epoch_start(start * self.batch_size)
-        self._resume = None
-        return self._count(super().__iter__(), start)
-
-    def _count(self, batches: Iterator[Any], start: int) -> Iterator[Any]:
         self._yielded, self._exhausted = start, False
+        return self._count(super().__iter__())
+
+    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
         for batch in batches:
             self._yielded += 1
             yield batch
         self._exhausted = True
 
     def state_dict(self) -> dict[str, int]:
-        """Epoch and number of batches trained on in it (prefetched batches excluded)."""
-        consumed = self._yielded if self._exhausted else max(0, self._yielded - _PREFETCHED_BATCHES)
-        return {"epoch": int(self.sampler.epoch), "batches_consumed": consumed}
+        """Where the next batch comes from: epoch, and batches of it already trained on.
+
+        After the last batch of an epoch this points at the start of the next one.
+        """
+        epoch = int(self.sampler.epoch)
+        if self._exhausted:
+            return {"epoch": epoch + 1, "batches_consumed": 0}
+        return {"epoch": epoch, "batches_consumed": self._yielded}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume the saved epoch after its consumed batches (a state from another epoch is ignored)."""
+        """Continue from a saved position.
+
+        The sampler epoch is set here, not left to Lightning's ``set_epoch``: on resume Lightning
+        creates the epoch's iterator before it sets the epoch, so the order would be epoch 0's.
+        """
         missing = {"epoch", "batches_consumed"} - set(state)
         if missing:
             raise ValueError(f"ResumableDataLoader state is missing {sorted(missing)}: got {state}")
-        self._resume = {"epoch": int(state["epoch"]), "batches_consumed": int(state["batches_consumed"])}
+        self.sampler.set_epoch(int(state["epoch"]))
+        self._resume_at = int(state["batches_consumed"])
