@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy
+
 
 def zero_config(stage: int, offload_optimizer: bool = False, offload_params: bool = False, bucket_mb: int = 200) -> dict[str, Any]:
     """ZeRO config for ``stage`` 1, 2 or 3, optionally offloading optimizer state / parameters to CPU.
@@ -47,3 +50,24 @@ def zero_config(stage: int, offload_optimizer: bool = False, offload_params: boo
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
+
+
+class AccelDeepSpeedStrategy(DeepSpeedStrategy):
+    """``DeepSpeedStrategy`` that refuses a non-CUDA accelerator at ``Trainer(...)`` time.
+
+    Lightning checks this for its own ``deepspeed_*`` names only; without the check a preset string on
+    a CPU machine would fail later, deep inside DeepSpeed.
+    """
+
+    @property
+    def accelerator(self) -> Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Accelerator | None) -> None:
+        if accelerator is not None and not isinstance(accelerator, CUDAAccelerator):
+            raise ValueError(
+                f"DeepSpeed ZeRO presets need CUDA GPUs, but the accelerator is {type(accelerator).__name__}. "
+                "On CPU use strategy='accel_ddp' or 'accel_fsdp_fp32' (FSDP2, runs on gloo)."
+            )
+        self._accelerator = accelerator

@@ -102,6 +102,11 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         )
         return blocks
 
+    def setup_environment(self) -> None:
+        # Pure data parallelism: every process is one shard ("auto" would give one shard per node).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
     def setup(self, trainer: Trainer) -> None:
         # ModelParallelStrategy.setup, with our automatic sharding in place of the required configure_model.
         assert self.model is not None and self.accelerator is not None

@@ -9,9 +9,9 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 
-from lightning_accel.strategies.deepspeed import zero_config
+from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero_config
 from lightning_accel.strategies.fsdp import AccelFSDPStrategy
 
 
@@ -37,13 +37,13 @@ PRESETS: dict[str, Preset] = {
         "accel_ddp plus static_graph=True (same parameters used every step: enables more overlap)",
         {**_DDP, "static_graph": True},
     ),
-    "accel_zero2": Preset(DeepSpeedStrategy, "DeepSpeed ZeRO-2: shard optimizer state and gradients", {"config": zero_config(2)}),
+    "accel_zero2": Preset(AccelDeepSpeedStrategy, "DeepSpeed ZeRO-2: shard optimizer state and gradients", {"config": zero_config(2)}),
     "accel_zero2_offload": Preset(
-        DeepSpeedStrategy, "ZeRO-2 with optimizer state offloaded to CPU", {"config": zero_config(2, offload_optimizer=True)}
+        AccelDeepSpeedStrategy, "ZeRO-2 with optimizer state offloaded to CPU", {"config": zero_config(2, offload_optimizer=True)}
     ),
-    "accel_zero3": Preset(DeepSpeedStrategy, "DeepSpeed ZeRO-3: also shard parameters", {"config": zero_config(3)}),
+    "accel_zero3": Preset(AccelDeepSpeedStrategy, "DeepSpeed ZeRO-3: also shard parameters", {"config": zero_config(3)}),
     "accel_zero3_offload": Preset(
-        DeepSpeedStrategy,
+        AccelDeepSpeedStrategy,
         "ZeRO-3 with optimizer state and parameters offloaded to CPU (largest models, slowest)",
         {"config": zero_config(3, offload_optimizer=True, offload_params=True)},
     ),

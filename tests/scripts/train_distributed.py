@@ -1,0 +1,72 @@
+"""Two-rank training used by the strategy tests: writes each rank's final weights and losses.
+
+    python tests/scripts/train_distributed.py --strategy accel_ddp --out DIR [--devices 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_accel  # noqa: F401  (registers the presets)
+from lightning_accel import CompileCallback
+from lightning_accel.data import SyntheticTokenDataModule
+from lightning_accel.models import TinyGPT
+from lightning_accel.strategies import AccelFSDPStrategy
+
+
+class RecordLoss(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def full_state(trainer: Trainer, model: TinyGPT) -> dict[str, torch.Tensor]:
+    """Unsharded weights on every rank (FSDP2 parameters are DTensors)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        state[name] = full.detach().cpu().clone()
+    return state
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true", help="fp32 FSDP2 with activation checkpointing")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    seed_everything(0)
+    out = Path(args.out)
+    model = TinyGPT(vocab_size=32, seq_len=16, d_model=32, n_layers=2, n_heads=2, lr=3e-3)
+    dm = SyntheticTokenDataModule(num_samples=256, val_samples=16, seq_len=16, vocab_size=32, batch_size=8)
+    record = RecordLoss()
+    callbacks = [record, ModelCheckpoint(dirpath=out / "ckpt", save_last=False, every_n_train_steps=args.max_steps)]
+    if args.compile:
+        callbacks.append(CompileCallback(backend="aot_eager"))
+    strategy = AccelFSDPStrategy(activation_checkpointing=True) if args.activation_checkpointing else args.strategy
+    trainer = Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, callbacks=callbacks,
+    )
+    trainer.fit(model, datamodule=dm)
+    rank = trainer.global_rank
+    torch.save(full_state(trainer, model), out / f"weights_rank{rank}.pt")
+    (out / f"losses_rank{rank}.json").write_text(json.dumps(record.losses))
+    (out / f"strategy_rank{rank}.txt").write_text(type(trainer.strategy).__name__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Strategy presets: registry entries, exact generated configs, real 2-process runs on gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import nn
+
+import lightning_accel
+from lightning_accel.strategies import (
+    PRESETS,
+    AccelDeepSpeedStrategy,
+    AccelFSDPStrategy,
+    check_strategy_name,
+    find_block_classes,
+    zero_config,
+)
+from lightning_accel.models import GPTBlock, TinyGPT
+
+from .conftest import requires_cuda
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_presets_registered_and_stock_names_kept():
+    for name, preset in PRESETS.items():
+        assert name in StrategyRegistry
+        assert StrategyRegistry[name]["description"] == preset.description
+    for stock in ("ddp", "deepspeed_stage_2", "fsdp"):
+        assert stock in StrategyRegistry
+    lightning_accel.register_presets()  # idempotent
+
+
+def test_ddp_presets_pass_tuned_kwargs():
+    ddp = StrategyRegistry.get("accel_ddp")
+    assert type(ddp) is DDPStrategy
+    assert ddp._ddp_kwargs == {"bucket_cap_mb": 100, "gradient_as_bucket_view": True, "find_unused_parameters": False}
+    assert StrategyRegistry.get("accel_ddp_static")._ddp_kwargs["static_graph"] is True
+
+
+def test_zero_configs_exact():
+    bucket = 200_000_000
+    base = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    flags = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+    assert zero_config(2) == {"zero_optimization": {"stage": 2, **base}, **flags}
+    offload = {"device": "cpu", "pin_memory": True}
+    assert zero_config(3, offload_optimizer=True, offload_params=True) == {
+        "zero_optimization": {
+            "stage": 3,
+            **base,
+            "stage3_prefetch_bucket_size": bucket,
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_gather_16bit_weights_on_model_save": True,
+            "offload_optimizer": offload,
+            "offload_param": offload,
+        },
+        **flags,
+    }
+    strategy = StrategyRegistry.get("accel_zero3_offload")
+    assert isinstance(strategy, AccelDeepSpeedStrategy)
+    assert strategy.config == zero_config(3, offload_optimizer=True, offload_params=True)
+    assert StrategyRegistry.get("accel_zero2").config == zero_config(2)
+    assert StrategyRegistry.get("accel_zero2_offload").config["zero_optimization"]["offload_optimizer"] == offload
+
+
+def test_zero_config_rejects_bad_combinations():
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 4"):
+        zero_config(4)
+    with pytest.raises(ValueError, match="offload_params needs ZeRO stage 3"):
+        zero_config(2, offload_params=True)
+
+
+def test_deepspeed_preset_on_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="need CUDA GPUs, but the accelerator is CPUAccelerator"):
+        Trainer(strategy="accel_zero2", accelerator="cpu", logger=False)
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ValueError, match="Did you mean 'accel_fsdp'") as err:
+        check_strategy_name("accel_fsdpp")
+    assert all(name in str(err.value) for name in PRESETS)
+    assert check_strategy_name("ddp") == "ddp"
+
+
+def test_fsdp_block_detection():
+    model = TinyGPT(n_layers=3)
+    assert find_block_classes(model) == {GPTBlock}
+    assert find_block_classes(model, ["LayerNorm"]) == {nn.LayerNorm}
+    with pytest.raises(ValueError, match="do not occur in TinyGPT"):
+        find_block_classes(model, ["Conv2d"])
+    with pytest.raises(ValueError, match="mixed_precision must be None or 'bf16'"):
+        AccelFSDPStrategy(mixed_precision="fp16")
+
+
+def run_two_ranks(tmp_path: Path, strategy: str, *extra: str) -> Path:
+    out = tmp_path / (strategy + "".join(extra))
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests/scripts/train_distributed.py"), "--strategy", strategy, "--out", str(out), *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def load_rank(out: Path, rank: int):
+    return torch.load(out / f"weights_rank{rank}.pt"), json.loads((out / f"losses_rank{rank}.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_and_fsdp2_train_for_real_on_gloo(tmp_path):
+    results = {}
+    runs = {"ddp": ("accel_ddp",), "fsdp": ("accel_fsdp_fp32",), "fsdp_ac": ("accel_fsdp_fp32", "--activation-checkpointing"), "fsdp_bf16": ("accel_fsdp",)}
+    for key, (strategy, *extra) in runs.items():
+        out = run_two_ranks(tmp_path, strategy, *extra)
+        w0, losses0 = load_rank(out, 0)
+        w1, losses1 = load_rank(out, 1)
+        assert all(torch.equal(w0[k], w1[k]) for k in w0), f"{strategy}: ranks disagree"
+        assert losses0[-1] < 0.5 * losses0[0], f"{strategy}: loss did not fall ({losses0[0]} -> {losses0[-1]})"
+        assert losses0 != losses1  # each rank saw its own shard of the data
+        ckpts = list((out / "ckpt").iterdir())
+        assert [p.name for p in ckpts] == ["epoch=1-step=30.ckpt"] and ckpts[0].is_file()  # one file, rank 0
+        saved = torch.load(ckpts[0], weights_only=False)["state_dict"]
+        assert all(torch.equal(saved[k], w0[k]) for k in w0)
+        results[key] = w0
+        assert (out / "strategy_rank0.txt").read_text() == ("DDPStrategy" if key == "ddp" else "AccelFSDPStrategy")
+    # Same data, same seed: sharded training computes the same model as DDP (fp32, gloo) ...
+    for k, v in results["ddp"].items():
+        torch.testing.assert_close(results["fsdp"][k], v, rtol=1e-5, atol=1e-6)
+        # ... activation checkpointing only recomputes, it changes nothing ...
+        torch.testing.assert_close(results["fsdp_ac"][k], results["fsdp"][k], rtol=1e-5, atol=1e-6)
+    # ... and bf16 compute really is a different (lower) precision
+    assert not all(torch.equal(results["fsdp_bf16"][k], v) for k, v in results["fsdp"].items())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_with_compile_callback_on_gloo(tmp_path):
+    out = run_two_ranks(tmp_path, "accel_ddp", "--compile", "--max-steps", "10")
+    w0, losses = load_rank(out, 0)
+    w1, _ = load_rank(out, 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_zero_configs_run_on_deepspeeds_cpu_engine():
+    """Lightning refuses DeepSpeed on CPU; DeepSpeed's own engine on its CPU accelerator does not."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests/scripts/deepspeed_cpu_engine.py")],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "MASTER_PORT": "29541"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["stage"] for r in runs] == [2, 3]
+    for r in runs:
+        assert r["losses"][-1] < r["losses"][0]
+
+
+@requires_cuda
+def test_zero2_preset_trains_on_gpu(tmp_path):
+    from lightning_accel.data import SyntheticTokenDataModule
+
+    trainer = Trainer(accelerator="gpu", devices=1, strategy="accel_zero2", precision="bf16-mixed", max_steps=5, logger=False, enable_checkpointing=False)
+    trainer.fit(TinyGPT(), datamodule=SyntheticTokenDataModule())
+    assert trainer.global_step == 5
