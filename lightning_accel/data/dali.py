@@ -1,0 +1,314 @@
+"""DALI image DataModule: decode and augment on the GPU (``mixed``/``gpu``), or on DALI's CPU backend.
+
+Both backends run the same pipeline graph, so the API and the batch format do not change with the
+hardware. Shards by rank, reproducible under a seed, and yields ``(images, labels)`` (or dicts).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+_POLICIES = {"partial": LastBatchPolicy.PARTIAL, "drop": LastBatchPolicy.DROP, "fill": LastBatchPolicy.FILL}
+_READER = "Reader"
+
+
+def scan_image_folder(root: str | Path) -> tuple[list[str], list[str], list[int]]:
+    """Classes (sorted subfolders), image files and their labels of an ``ROOT/CLASS/IMG`` folder.
+
+    Raises a clear error for a missing folder, no class subfolders, or no images.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"Image folder {str(root)!r} does not exist (expected ROOT/CLASS_NAME/IMAGE.jpg)")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    if not classes:
+        raise ValueError(f"Image folder {str(root)!r} has no class subfolders (expected ROOT/CLASS_NAME/IMAGE.jpg)")
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        for f in sorted((root / name).iterdir()):
+            if f.suffix.lower() in IMAGE_SUFFIXES:
+                files.append(str(f))
+                labels.append(label)
+    if not files:
+        raise ValueError(f"Image folder {str(root)!r} has class folders {classes[:5]} but no {sorted(IMAGE_SUFFIXES)} files")
+    return classes, files, labels
+
+
+def find_unreadable_images(root: str | Path, limit: int = 5) -> list[str]:
+    """Files under ``root`` that Pillow cannot decode (used to name the culprit when DALI fails)."""
+    from PIL import Image
+
+    bad = []
+    for path in sorted(Path(root).rglob("*")):
+        if path.suffix.lower() not in IMAGE_SUFFIXES:
+            continue
+        try:
+            with Image.open(path) as im:
+                im.load()
+        except Exception:
+            bad.append(str(path))
+            if len(bad) >= limit:
+                break
+    return bad
+
+
+class _ArrayShardSource:
+    """``external_source`` iterable over in-memory arrays: this shard's slice of a per-epoch permutation."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, shard_id: int, num_shards: int, shuffle: bool, seed: int, last_batch: str) -> None:
+        self.images, self.labels = images, labels.astype(np.int64)
+        self.batch_size, self.shard_id, self.num_shards = batch_size, shard_id, num_shards
+        self.shuffle, self.seed, self.last_batch = shuffle, seed, last_batch
+        self.epoch = -1
+        self._batches: Iterator[np.ndarray] | None = None
+
+    def shard_indices(self, epoch: int) -> np.ndarray:
+        n = len(self.images)
+        order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
+        # Same contiguous split as DALI's readers: shard i gets [n*i/k, n*(i+1)/k).
+        return order[n * self.shard_id // self.num_shards : n * (self.shard_id + 1) // self.num_shards]
+
+    def num_batches(self, epoch: int = 0) -> int:
+        size = len(self.shard_indices(epoch))
+        return size // self.batch_size if self.last_batch == "drop" else math.ceil(size / self.batch_size)
+
+    def __iter__(self) -> _ArrayShardSource:
+        return self
+
+    def _start_epoch(self) -> Iterator[np.ndarray]:
+        self.epoch += 1
+        idx = self.shard_indices(self.epoch)
+        batches = [idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
+        if batches and len(batches[-1]) < self.batch_size:
+            if self.last_batch == "drop":
+                batches.pop()
+            elif self.last_batch == "fill":  # pad with the last sample, like DALI's FILL policy
+                batches[-1] = np.concatenate([batches[-1], np.repeat(batches[-1][-1:], self.batch_size - len(batches[-1]))])
+        return iter(batches)
+
+    def __next__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        # DALI does not call iter() again after an epoch's StopIteration, so the next call after one
+        # starts the next epoch.
+        if self._batches is None:
+            self._batches = self._start_epoch()
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self._batches = None
+            raise
+        return [self.images[i] for i in batch], [self.labels[i : i + 1] for i in batch]
+
+
+class DALILoader:
+    """Iterable with a length over a DALI iterator; yields ``(images, labels)`` or ``{"images", "labels"}``."""
+
+    def __init__(self, iterator: DALIGenericIterator, length: int, as_dict: bool, source: str) -> None:
+        self.iterator, self.length, self.as_dict, self.source = iterator, length, as_dict, source
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            for out in self.iterator:  # auto_reset: the next __iter__ starts the next epoch
+                images, labels = out[0]["images"], out[0]["labels"].view(-1).long()
+                yield {"images": images, "labels": labels} if self.as_dict else (images, labels)
+        except RuntimeError as err:
+            raise explain_dali_error(err, self.source) from err
+
+
+def explain_dali_error(err: RuntimeError, source: str) -> RuntimeError:
+    """Turn DALI's pipeline error into one that names the folder and, for decode errors, the bad files."""
+    text = str(err)
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    if "decoders" in text or "nvImageCodec" in text or "decode" in text.lower():
+        bad = find_unreadable_images(source) if Path(source).is_dir() else []
+        named = f" Unreadable files: {bad}." if bad else ""
+        return RuntimeError(f"DALI could not decode an image under {source!r}.{named} Remove or re-encode it. (DALI: {last})")
+    return RuntimeError(f"DALI pipeline over {source!r} failed: {text}")
+
+
+class DALIImageDataModule(LightningDataModule):
+    """Image classification data through DALI, from a folder (``ROOT/CLASS/IMG.jpg``) or numpy arrays.
+
+    Training augmentation: random resized crop, horizontal flip, optional color jitter, normalize, CHW.
+    Validation: resize the shorter side to ``image_size / center_crop_ratio``, center crop, normalize.
+    With CUDA, JPEG decoding is ``mixed`` (nvJPEG) and augmentation runs on the GPU; otherwise DALI's
+    CPU backend runs the same graph (``device_id=None``).
+
+    Args:
+        train_dir / val_dir: Image folders (class subfolders); or give ``train_arrays`` / ``val_arrays``.
+        train_arrays / val_arrays: ``(images uint8 (N,H,W,3), labels int (N,))``.
+        batch_size: Per-rank batch size.
+        image_size: Output height and width.
+        mean / std: Normalization in 0-255 pixel units (default: ImageNet).
+        flip_prob: Probability of a horizontal flip in training.
+        color_jitter: Brightness/contrast/saturation jitter strength (0 disables it).
+        scale: Area range of the random resized crop.
+        center_crop_ratio: Validation crop size over resize size.
+        last_batch: ``"partial"`` (smaller last batch), ``"drop"``, or ``"fill"`` (pad by repeating samples).
+        device: ``"auto"`` (GPU if available), ``"gpu"`` or ``"cpu"``.
+        num_threads: DALI CPU worker threads.
+        seed: Shuffle and augmentation seed (augmentation is offset by rank).
+        as_dict: Yield ``{"images", "labels"}`` instead of a tuple.
+        shard_id / num_shards: Override the shard (default: the trainer's global rank and world size).
+    """
+
+    def __init__(
+        self,
+        train_dir: str | None = None,
+        val_dir: str | None = None,
+        train_arrays: tuple[np.ndarray, np.ndarray] | None = None,
+        val_arrays: tuple[np.ndarray, np.ndarray] | None = None,
+        batch_size: int = 64,
+        image_size: int = 224,
+        mean: tuple[float, float, float] = IMAGENET_MEAN,
+        std: tuple[float, float, float] = IMAGENET_STD,
+        flip_prob: float = 0.5,
+        color_jitter: float = 0.0,
+        scale: tuple[float, float] = (0.08, 1.0),
+        center_crop_ratio: float = 0.875,
+        last_batch: Literal["partial", "drop", "fill"] = "partial",
+        device: Literal["auto", "gpu", "cpu"] = "auto",
+        num_threads: int = 4,
+        seed: int = 0,
+        as_dict: bool = False,
+        shard_id: int | None = None,
+        num_shards: int | None = None,
+    ) -> None:
+        super().__init__()
+        if (shard_id is None) != (num_shards is None) or (num_shards is not None and not 0 <= shard_id < num_shards):
+            raise ValueError(f"shard_id and num_shards go together with 0 <= shard_id < num_shards, got {shard_id}, {num_shards}")
+        if train_dir is None and train_arrays is None:
+            raise ValueError("DALIImageDataModule needs train_dir= (an image folder) or train_arrays=(images, labels)")
+        if last_batch not in _POLICIES:
+            raise ValueError(f"last_batch must be one of {sorted(_POLICIES)}, got {last_batch!r}")
+        if device == "gpu" and not torch.cuda.is_available():
+            raise ValueError("device='gpu' was requested but no CUDA device is visible; use device='auto' or 'cpu'")
+        for name, arrays in (("train_arrays", train_arrays), ("val_arrays", val_arrays)):
+            if arrays is not None:
+                images, labels = arrays
+                if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8 or len(images) != len(labels):
+                    raise ValueError(f"{name} must be (uint8 images (N,H,W,3), labels (N,)), got {images.shape} {images.dtype} and {len(labels)} labels")
+        self.save_hyperparameters(ignore=["train_arrays", "val_arrays"])
+        self.train_dir, self.val_dir = train_dir, val_dir
+        self.train_arrays, self.val_arrays = train_arrays, val_arrays
+        self.use_gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
+        self.classes: list[str] = []
+        self._train_files: tuple[list[str], list[int]] | None = None
+        self._val_files: tuple[list[str], list[int]] | None = None
+
+    # -- sharding -----------------------------------------------------------------------------------
+    def _shard(self) -> tuple[int, int]:
+        if self.hparams.num_shards is not None:
+            return self.hparams.shard_id, self.hparams.num_shards
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        return 0, 1
+
+    def _device_id(self) -> int | None:
+        if not self.use_gpu:
+            return None
+        if self.trainer is not None:
+            return self.trainer.strategy.root_device.index
+        return torch.cuda.current_device()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dir is not None:
+            self.classes, files, labels = scan_image_folder(self.train_dir)
+            # DALI's shuffle_after_epoch uses a fixed seed of its own; permuting the list it starts from
+            # by our seed makes the order depend on `seed` while staying identical on every rank.
+            order = np.random.default_rng(self.hparams.seed).permutation(len(files))
+            self._train_files = ([files[i] for i in order], [labels[i] for i in order])
+            log.info("DALI: %d training images in %d classes under %s", len(files), len(self.classes), self.train_dir)
+        if self.val_dir is not None:
+            _, files, labels = scan_image_folder(self.val_dir)
+            self._val_files = (files, labels)
+
+    # -- pipelines ----------------------------------------------------------------------------------
+    def _loader(self, train: bool) -> DALILoader:
+        hp = self.hparams
+        shard_id, num_shards = self._shard()
+        folder = self.train_dir if train else self.val_dir
+        file_list = self._train_files if train else self._val_files
+        if folder is not None and file_list is None:
+            raise RuntimeError("DALIImageDataModule.setup() must run before its dataloaders are requested")
+        arrays = self.train_arrays if train else self.val_arrays
+        decode_device, aug_device = ("mixed", "gpu") if self.use_gpu else ("cpu", "cpu")
+        source: _ArrayShardSource | None = None
+        if folder is None:
+            assert arrays is not None
+            source = _ArrayShardSource(*arrays, hp.batch_size, shard_id, num_shards, shuffle=train, seed=hp.seed, last_batch=hp.last_batch if train else "partial")
+
+        @pipeline_def
+        def pipeline() -> tuple[Any, Any]:
+            if source is None:
+                # shuffle_after_epoch: one global permutation per epoch with the same seed on every rank,
+                # so shards never overlap; pad_last_batch keeps every rank's epoch the same length.
+                encoded, labels = fn.readers.file(
+                    files=file_list[0], labels=file_list[1], shard_id=shard_id, num_shards=num_shards, shuffle_after_epoch=train,
+                    pad_last_batch=True, name=_READER,
+                )
+                images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB)
+            else:
+                images, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64], layout=["HWC", ""])
+                images = images.gpu() if self.use_gpu else images
+            if train:
+                images = fn.random_resized_crop(images, size=(hp.image_size, hp.image_size), random_area=list(hp.scale), device=aug_device)
+                if hp.color_jitter > 0:
+                    j = hp.color_jitter
+                    images = fn.color_twist(
+                        images, brightness=fn.random.uniform(range=(1 - j, 1 + j)), contrast=fn.random.uniform(range=(1 - j, 1 + j)),
+                        saturation=fn.random.uniform(range=(1 - j, 1 + j)), device=aug_device,
+                    )
+                mirror = fn.random.coin_flip(probability=hp.flip_prob)
+                crop = None
+            else:
+                images = fn.resize(images, resize_shorter=round(hp.image_size / hp.center_crop_ratio), device=aug_device)
+                mirror, crop = 0, (hp.image_size, hp.image_size)
+            images = fn.crop_mirror_normalize(
+                images, dtype=types.FLOAT, output_layout="CHW", crop=crop, mean=list(hp.mean), std=list(hp.std), mirror=mirror, device=aug_device,
+            )
+            return images, labels.gpu() if self.use_gpu else labels
+
+        pipe = pipeline(
+            batch_size=hp.batch_size, num_threads=hp.num_threads, device_id=self._device_id(),
+            seed=hp.seed + 1000 * shard_id + (0 if train else 1),  # augmentation differs per rank
+            prefetch_queue_depth=2,
+        )
+        policy = hp.last_batch if train else "partial"
+        try:
+            pipe.build()
+            # Constructing the iterator already runs the pipeline (prefetch), so decode errors show here too.
+            iterator = DALIGenericIterator(
+                pipe, ["images", "labels"], reader_name=_READER if source is None else None,
+                last_batch_policy=_POLICIES[policy] if source is None else LastBatchPolicy.PARTIAL,
+                auto_reset=True,
+            )
+        except RuntimeError as err:
+            raise explain_dali_error(err, str(folder or "arrays")) from err
+        length = len(iterator) if source is None else source.num_batches()
+        return DALILoader(iterator, length, as_dict=hp.as_dict, source=str(folder or "arrays"))
+
+    def train_dataloader(self) -> DALILoader:
+        return self._loader(train=True)
+
+    def val_dataloader(self) -> DALILoader | list:
+        if self.val_dir is None and self.val_arrays is None:
+            return []
+        return self._loader(train=False)
