@@ -168,7 +168,7 @@ class PreemptionCheckpoint(Callback):
         path = self.dirpath / f"step={trainer.global_step:08d}.ckpt"
         if self.saved and self.saved[-1] == path:
             return path  # already saved at this step (periodic save, then a signal)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)
         self.saved.append(path)
         self._last_save = time.monotonic()
         if trainer.is_global_zero:

@@ -1,16 +1,31 @@
-"""DataModules: built-in synthetic data, resumable loaders, and DALI pipelines (GPU or CPU backend)."""
+"""DataModules: built-in synthetic data, resumable loaders, and DALI pipelines (GPU or CPU backend).
 
-from lightning_accel.data.dali import DALIImageDataModule, DALILoader, find_unreadable_images, scan_image_folder
+The DALI names are imported on first use: DALI is large and slow to import, and a tool that only
+needs the synthetic data (or a machine without DALI) should not pay for it.
+"""
+
+from typing import Any
+
 from lightning_accel.data.resumable import ResumableDataLoader, ResumableSampler
 from lightning_accel.data.synthetic import SyntheticClassificationDataModule, SyntheticTokenDataModule
+
+_DALI_NAMES = {"DALIImageDataModule", "DALILoader", "find_unreadable_images", "scan_image_folder"}
 
 __all__ = [
     "DALIImageDataModule",
     "DALILoader",
-    "find_unreadable_images",
-    "scan_image_folder",
     "ResumableDataLoader",
     "ResumableSampler",
     "SyntheticClassificationDataModule",
     "SyntheticTokenDataModule",
+    "find_unreadable_images",
+    "scan_image_folder",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DALI_NAMES:
+        from lightning_accel.data import dali
+
+        return getattr(dali, name)
+    raise AttributeError(f"module 'lightning_accel.data' has no attribute {name!r}")

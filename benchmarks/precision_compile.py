@@ -1,0 +1,69 @@
+"""Eager fp32 vs bf16-mixed vs torch.compile on the tiny GPT, measured side by side in one run.
+
+    python benchmarks/precision_compile.py [--steps 60] [--gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RESULTS, write  # noqa: E402
+
+from lightning_accel import CompileCallback, ThroughputCallback  # noqa: E402
+from lightning_accel.data import SyntheticTokenDataModule  # noqa: E402
+from lightning_accel.models import TinyGPT  # noqa: E402
+
+CONFIGS = {
+    "fp32 eager": ("32-true", False),
+    "bf16 eager": ("bf16-mixed", False),
+    "fp32 compiled": ("32-true", True),
+    "bf16 compiled": ("bf16-mixed", True),
+}
+
+
+def measure(precision: str, compiled: bool, steps: int, gpu: bool, size: dict) -> dict[str, float]:
+    seed_everything(0)
+    model = TinyGPT(vocab_size=size["vocab"], seq_len=size["seq"], d_model=size["d"], n_layers=size["layers"], n_heads=size["heads"])
+    dm = SyntheticTokenDataModule(num_samples=size["batch"] * (steps + 2), seq_len=size["seq"], vocab_size=size["vocab"], batch_size=size["batch"])
+    monitor = ThroughputCallback(warmup_steps=min(10, steps // 3), summary=False, log_every_n_steps=10**9)
+    callbacks = [monitor] + ([CompileCallback()] if compiled else [])
+    trainer = Trainer(
+        accelerator="gpu" if gpu else "cpu", devices=1, precision=precision, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, callbacks=callbacks,
+    )
+    trainer.fit(model, datamodule=dm)
+    r = monitor.results
+    return {"steps_per_sec": 1000.0 / r["throughput/step_time_ms"], "tokens_per_sec": r["throughput/tokens_per_sec"], "mfu": r.get("throughput/mfu", 0.0)}
+
+
+def run(steps: int = 60, gpu: bool = False) -> dict:
+    size = dict(vocab=8192, seq=512, d=512, layers=8, heads=8, batch=32) if gpu else dict(vocab=256, seq=64, d=128, layers=2, heads=4, batch=16)
+    rows = {name: measure(p, c, steps, gpu, size) for name, (p, c) in CONFIGS.items()}
+    base = rows["fp32 eager"]["steps_per_sec"]
+    ratios = {name: row["steps_per_sec"] / base for name, row in rows.items()}
+    return {"rows": rows, "ratios_vs_fp32_eager": ratios, "steps": steps, "model": size}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--gpu", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
+    args = p.parse_args()
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    result = run(args.steps, args.gpu)
+    write("precision_compile" + ("_gpu" if args.gpu else ""), result, result["ratios_vs_fp32_eager"], "steps/s ratio vs fp32 eager", out=args.out)
+    for name, ratio in result["ratios_vs_fp32_eager"].items():
+        print(f"{name:>14}: {result['rows'][name]['steps_per_sec']:8.2f} steps/s  x{ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

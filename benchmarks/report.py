@@ -1,0 +1,40 @@
+"""Writing benchmark results: one JSON and one bar-chart PNG per benchmark, under benchmarks/results/."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"torch": torch.__version__, "device": device, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def write(name: str, result: dict[str, Any], values: dict[str, float], ylabel: str, out: Path = RESULTS) -> Path:
+    """Save ``result`` as ``name.json`` and a bar chart of ``values`` as ``name.png``; returns the JSON path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "environment": environment(), **result}, indent=2))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar(list(values), list(values.values()), color="#4C72B0")
+    ax.bar_label(bars, fmt="%.3g")
+    ax.set_ylabel(ylabel)
+    ax.set_title(name)
+    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,63 @@
+"""Run every benchmark on this machine and print one table of ratios measured side by side.
+
+    python benchmarks/run_all.py [--quick]      # or: make bench
+
+Writes benchmarks/results/<name>.json and <name>.png for each, plus summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkpoint_async  # noqa: E402
+import dataloading  # noqa: E402
+import monitor_overhead  # noqa: E402
+import precision_compile  # noqa: E402
+from report import RESULTS, environment, write  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer steps and rounds (a smoke run, noisier)")
+    args = p.parse_args()
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    torch.set_num_threads(2)
+    q = args.quick
+    headline: list[tuple[str, str, float]] = []
+
+    r = precision_compile.run(steps=30 if q else 80)
+    write("precision_compile", r, r["ratios_vs_fp32_eager"], "steps/s ratio vs fp32 eager")
+    headline += [("precision_compile", f"{k} / fp32 eager (steps/s)", v) for k, v in r["ratios_vs_fp32_eager"].items() if k != "fp32 eager"]
+
+    r = dataloading.run(images=128 if q else 384)
+    write("dataloading", r, r["images_per_sec"], "images/s")
+    headline += [("dataloading", f"{k} / torch DataLoader (images/s)", v) for k, v in r["ratio_vs_torch"].items() if not k.startswith("torch")]
+
+    r = monitor_overhead.run(steps=60 if q else 150, rounds=3 if q else 5)
+    write("monitor_overhead", r, r["median_seconds"], "median fit seconds")
+    headline.append(("monitor_overhead", "monitored / none (wall time, target < 1.01)", r["ratio"]))
+
+    r = checkpoint_async.run(params_m=5 if q else 25, saves=3 if q else 4)
+    write("checkpoint_async", r, r["median_stall_seconds"], "median stall per checkpoint (s)")
+    headline.append(("checkpoint_async", "sync stall / async stall per checkpoint", r["ratio_sync_over_async"]))
+
+    (RESULTS / "summary.json").write_text(json.dumps({"environment": environment(), "quick": q, "ratios": [{"benchmark": b, "ratio": n, "value": v} for b, n, v in headline]}, indent=2))
+    table = Table(title=f"lightning-accel benchmarks ({environment()['device']}, torch {torch.__version__})")
+    for col in ("benchmark", "ratio", "value"):
+        table.add_column(col, justify="right" if col == "value" else "left")
+    for bench, name, value in headline:
+        table.add_row(bench, name, f"{value:.3f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

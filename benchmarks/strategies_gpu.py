@@ -1,0 +1,64 @@
+"""Single-GPU strategy check: plain single device vs the accel_zero2 preset (DeepSpeed ZeRO-2) vs accel_fsdp.
+
+One GPU shows that the presets run and what their bookkeeping costs; the sharding itself pays off
+only across several GPUs.
+
+    python benchmarks/strategies_gpu.py [--steps 60] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RESULTS, write  # noqa: E402
+
+import lightning_accel  # noqa: E402, F401
+from lightning_accel import ThroughputCallback  # noqa: E402
+from lightning_accel.data import SyntheticTokenDataModule  # noqa: E402
+from lightning_accel.models import TinyGPT  # noqa: E402
+
+
+def measure(strategy: str, steps: int) -> dict[str, float]:
+    seed_everything(0)
+    model = TinyGPT(vocab_size=8192, seq_len=512, d_model=512, n_layers=8, n_heads=8)
+    dm = SyntheticTokenDataModule(num_samples=32 * (steps + 2), seq_len=512, vocab_size=8192, batch_size=32, num_workers=2)
+    monitor = ThroughputCallback(warmup_steps=10, summary=False, log_every_n_steps=10**9)
+    trainer = Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, callbacks=[monitor],
+    )
+    trainer.fit(model, datamodule=dm)
+    r = monitor.results
+    return {"steps_per_sec": 1000.0 / r["throughput/step_time_ms"], "mfu": r.get("throughput/mfu", 0.0), "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("strategies_gpu.py needs a CUDA GPU")
+    rows: dict[str, dict[str, float]] = {}
+    for strategy in ("auto", "accel_zero2", "accel_fsdp"):
+        if strategy == "accel_zero2" and importlib.util.find_spec("deepspeed") is None:
+            print("skipping accel_zero2: deepspeed is not installed here (carry its wheel)")
+            continue
+        torch.cuda.reset_peak_memory_stats()
+        rows[strategy] = measure(strategy, args.steps)
+        print(f"{strategy:>12}: {rows[strategy]['steps_per_sec']:.2f} steps/s, MFU {rows[strategy]['mfu']:.3f}")
+    base = rows["auto"]["steps_per_sec"]
+    result = {"rows": rows, "ratio_vs_single_device": {k: v["steps_per_sec"] / base for k, v in rows.items()}}
+    write("strategies_gpu", result, result["ratio_vs_single_device"], "steps/s ratio vs single device", out=args.out)
+
+
+if __name__ == "__main__":
+    main()
