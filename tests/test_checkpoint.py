@@ -123,6 +123,8 @@ def test_truncated_and_corrupt_checkpoints_are_skipped(tmp_path):
     messages = [str(w.message) for w in record]
     assert any("step=30.ckpt" in m and "truncated" in m for m in messages)
     assert any("step=20.ckpt" in m and "SHA-256" in m for m in messages)
+    assert verify(middle, checksum=False) is None  # the cheap check (used when pruning) sees size only
+    assert "truncated" in verify(newest, checksum=False)
     with pytest.raises(CorruptCheckpointError, match="step=20.ckpt is not usable: SHA-256"):
         AtomicCheckpointIO().load_checkpoint(middle)
 

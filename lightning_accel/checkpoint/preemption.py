@@ -138,6 +138,11 @@ class PreemptionCheckpoint(Callback):
         self._previous_handlers.clear()
         if stage == "fit" and self.preempted and self.exit_on_preempt:
             log.info("preempted: checkpoint saved, exiting with code %d", self.exit_code)
+            if dist.is_available() and dist.is_initialized():
+                # Shut the process group down ourselves: left to interpreter exit, gloo's threads can
+                # abort the process and replace our exit code with SIGABRT.
+                dist.barrier()
+                dist.destroy_process_group()
             raise SystemExit(self.exit_code)
 
     # -- saving -------------------------------------------------------------------------------------
@@ -179,8 +184,9 @@ class PreemptionCheckpoint(Callback):
         if self.keep_last is None:
             return
         # Only complete checkpoints count, so a write still in flight (async) never pushes out the
-        # last good one; it is counted at the next save.
-        valid = [p for p in list_checkpoints(self.dirpath, "step=*.ckpt") if verify(p) is None]
+        # last good one; it is counted at the next save. Size against the manifest is enough here
+        # (hashing every kept file on the training thread would stall it); resume checks the hash.
+        valid = [p for p in list_checkpoints(self.dirpath, "step=*.ckpt") if verify(p, checksum=False) is None]
         for old in valid[self.keep_last :]:
             old.unlink(missing_ok=True)
             manifest_path(old).unlink(missing_ok=True)

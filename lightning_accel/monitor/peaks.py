@@ -17,8 +17,19 @@ _EXTRA_GPU_PEAKS: dict[str, dict[str, float]] = {
     "mi300x": {"bf16": 1307.4e12, "fp16": 1307.4e12, "fp32": 163.4e12},
     "mi250x": {"bf16": 383.0e12, "fp16": 383.0e12, "fp32": 47.9e12},
 }
-# FLOPs per cycle per core for fp32 FMA: 2 AVX2 FMA units x 8 lanes x 2 (AVX-512 doubles the lanes).
-_CPU_FLOPS_PER_CYCLE = 32.0
+
+
+def cpu_flops_per_cycle() -> float:
+    """fp32 FLOPs per cycle per core: 2 FMA units x lanes x 2 (multiply + add)."""
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    if " avx512f" in flags:
+        return 64.0  # 16 fp32 lanes
+    if " fma" in flags:
+        return 32.0  # AVX2: 8 lanes
+    return 8.0  # SSE, or not x86 / unknown: a conservative guess
 
 
 def precision_dtype(precision: str) -> torch.dtype:
@@ -40,7 +51,7 @@ def cpu_peak_flops(num_cores: int | None = None, freq_mhz: float | None = None) 
         freq = psutil.cpu_freq()
         freq_mhz = (freq.max or freq.current) if freq else 0.0
         freq_mhz = freq_mhz or 2500.0  # VMs often hide the clock; assume a typical server core
-    return num_cores * freq_mhz * 1e6 * _CPU_FLOPS_PER_CYCLE
+    return num_cores * freq_mhz * 1e6 * cpu_flops_per_cycle()
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:

@@ -179,7 +179,8 @@ class ThroughputCallback(Callback):
         return metrics
 
     def _maybe_warn(self) -> None:
-        if self._warned or len(self.recent) < min(5, self.recent.maxlen or 5):
+        # Checked every 10th batch, not every batch: it sums the whole window.
+        if self._warned or len(self.recent) < min(5, self.recent.maxlen or 5) or self._seen % 10:
             return
         share = self.compute(self.recent)["throughput/data_wait_share"]
         if share > self.data_wait_warn:

@@ -21,6 +21,9 @@ class _NVML:
 
     def __init__(self, device_index: int | None) -> None:
         self.available, self.reason, self.handle = False, "", None
+        if not torch.cuda.is_available():
+            self.reason = "no CUDA device visible"
+            return
         try:
             import pynvml
 
@@ -89,7 +92,7 @@ class UtilizationMonitor(Callback):
         if self.nvml is not None:
             return
         index = pl_module.device.index if pl_module.device.type == "cuda" else None
-        self.nvml = _NVML(index if torch.cuda.is_available() else None)
+        self.nvml = _NVML(index)
         if not self.nvml.available:
             log.info("GPU telemetry off (%s); logging host metrics only", self.nvml.reason)
         if self.prometheus_port is not None and trainer.is_global_zero:
