@@ -50,8 +50,10 @@ class CompileCallback(Callback):
     """Compile the LightningModule's ``forward`` (or named submodules) with ``torch.compile`` at setup.
 
     Compilation is applied in place to ``forward``, not by wrapping the module, so parameter names,
-    checkpoints and the strategy's own wrapping (DDP, FSDP) are unchanged; Lightning's strategy then
-    wraps the already-compiled module, which is the order DDP's graph-break optimiser expects.
+    checkpoints and the strategy's own wrapping (DDP, FSDP) are unchanged. torch compiles lazily, at
+    the first call, and under DDP that call runs inside DDP's forward: dynamo sees the active DDP
+    module and its DDPOptimizer splits the graph at gradient-bucket boundaries, so all-reduce still
+    overlaps the backward pass, which is what compiling after wrapping is recommended for.
 
     Args:
         modules: Dotted names of submodules to compile (e.g. ``["model.encoder"]``); ``None`` compiles the
