@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_accel.cli import build_cli
@@ -75,3 +76,30 @@ def test_unknown_key_in_config_file(tmp_path):
     assert result.returncode != 0
     assert "max_stepz" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_ckpt_path_auto_starts_fresh_then_resumes(tmp_path, caplog):
+    ckpts = tmp_path / "ck"
+    common = [
+        "fit", "--config", str(ROOT / "recipes/mlp_cpu.yaml"), "--trainer.enable_progress_bar", "false",
+        "--trainer.callbacks+=lightning_accel.PreemptionCheckpoint", f"--trainer.callbacks.dirpath={ckpts}",
+        "--trainer.callbacks.every_n_steps=5", "--ckpt_path", "auto",
+    ]
+    with caplog.at_level("INFO", logger="lightning_accel.cli"):
+        first = build_cli([*common, "--trainer.max_steps", "10"])
+    assert "no valid checkpoint, starting fresh" in caplog.text
+    assert first.trainer.global_step == 10
+    assert (ckpts / "step=00000010.ckpt").is_file()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lightning_accel.cli"):
+        second = build_cli([*common, "--trainer.max_steps", "15"])
+    assert f"resuming from {ckpts / 'step=00000010.ckpt'}" in caplog.text
+    assert second.trainer.global_step == 15
+    first_w = torch.load(ckpts / "step=00000010.ckpt", weights_only=False)["state_dict"]
+    assert any(not torch.equal(v, second.model.state_dict()[k]) for k, v in first_w.items())  # it trained on
+
+
+def test_ckpt_path_auto_without_preemption_callback_is_an_error():
+    result = run_cli("fit", "--config", "recipes/mlp_cpu.yaml", "--ckpt_path", "auto", "--trainer.max_steps", "1")
+    assert result.returncode != 0
+    assert "--ckpt_path auto needs a PreemptionCheckpoint callback" in result.stderr
