@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lightning_accel.checkpoint.atomic import TMP_MARKER, AtomicCheckpointIO, manifest_path, verify
 from lightning_accel.checkpoint.resume import list_checkpoints
@@ -108,6 +109,12 @@ class PreemptionCheckpoint(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy) or getattr(strategy, "_save_distributed_checkpoint", False):
+            log.warning(
+                "%s saves a sharded checkpoint folder with its own writer: PreemptionCheckpoint still saves on "
+                "signals and schedules, but atomic writes, manifests and find_resume_checkpoint cover "
+                "single-file checkpoints only", type(strategy).__name__,
+            )
         io = strategy.checkpoint_io
         if type(io) is TorchCheckpointIO:  # the default: upgrade it; a user's own plugin is respected
             atomic = AtomicCheckpointIO()
