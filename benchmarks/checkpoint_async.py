@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, write  # noqa: E402
+from harness import RESULTS, quiet_trainer, write  # noqa: E402
 
 from lightning_accel import PreemptionCheckpoint  # noqa: E402
 from lightning_accel.data import SyntheticClassificationDataModule  # noqa: E402
@@ -41,9 +40,8 @@ class TimedCheckpoint(PreemptionCheckpoint):
 def stalls(async_save: bool, hidden: int, saves: int, folder: Path, gpu: bool = False) -> tuple[list[float], int]:
     model = MLPClassifier(input_dim=hidden, hidden_dim=hidden, num_layers=2, num_classes=4, lr=0.01)
     cb = TimedCheckpoint(folder / ("async" if async_save else "sync"), every_n_steps=2, keep_last=2, async_save=async_save)
-    trainer = Trainer(
-        accelerator="gpu" if gpu else "cpu", max_steps=2 * saves, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[cb],
+    trainer = quiet_trainer(
+        accelerator="gpu" if gpu else "cpu", max_steps=2 * saves, callbacks=[cb],
     )
     trainer.fit(model, datamodule=SyntheticClassificationDataModule(num_samples=64 * saves, input_dim=hidden, batch_size=16))
     return cb.stalls, sum(p.numel() for p in model.parameters())

@@ -21,7 +21,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, write  # noqa: E402
+from harness import RESULTS, write  # noqa: E402
 
 from lightning_accel.data import DALIImageDataModule  # noqa: E402
 from lightning_accel.data.dali import IMAGENET_MEAN, IMAGENET_STD, scan_image_folder  # noqa: E402

@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, write  # noqa: E402
+from harness import RESULTS, quiet_trainer, write  # noqa: E402
 
 from lightning_accel import ThroughputCallback, UtilizationMonitor  # noqa: E402
 from lightning_accel.data import SyntheticTokenDataModule  # noqa: E402
@@ -46,9 +46,8 @@ def fit_seconds(monitored: bool, steps: int) -> tuple[float, float]:
     dm = SyntheticTokenDataModule(num_samples=16 * steps, batch_size=16)
     clock = Clock()
     callbacks = [clock] + ([ThroughputCallback(summary=False), UtilizationMonitor(interval_s=1.0, summary=False)] if monitored else [])
-    trainer = Trainer(
-        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
+    trainer = quiet_trainer(
+        accelerator="cpu", max_steps=steps, callbacks=callbacks,
     )
     start = time.perf_counter()
     trainer.fit(model, datamodule=dm)

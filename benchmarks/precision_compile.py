@@ -10,11 +10,10 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import seed_everything
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, write  # noqa: E402
+from harness import RESULTS, quiet_trainer, write  # noqa: E402
 
 from lightning_accel import CompileCallback, ThroughputCallback  # noqa: E402
 from lightning_accel.data import SyntheticTokenDataModule  # noqa: E402
@@ -34,10 +33,8 @@ def measure(precision: str, compiled: bool, steps: int, gpu: bool, size: dict) -
     dm = SyntheticTokenDataModule(num_samples=size["batch"] * (steps + 2), seq_len=size["seq"], vocab_size=size["vocab"], batch_size=size["batch"])
     monitor = ThroughputCallback(warmup_steps=min(10, steps // 3), summary=False, log_every_n_steps=10**9)
     callbacks = [monitor] + ([CompileCallback()] if compiled else [])
-    trainer = Trainer(
-        accelerator="gpu" if gpu else "cpu", devices=1, precision=precision, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=callbacks,
+    trainer = quiet_trainer(
+        accelerator="gpu" if gpu else "cpu", devices=1, precision=precision, max_steps=steps, callbacks=callbacks,
     )
     trainer.fit(model, datamodule=dm)
     r = monitor.results

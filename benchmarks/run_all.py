@@ -20,7 +20,7 @@ import checkpoint_async  # noqa: E402
 import dataloading  # noqa: E402
 import monitor_overhead  # noqa: E402
 import precision_compile  # noqa: E402
-from report import RESULTS, environment, write  # noqa: E402
+from harness import RESULTS, environment, write  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import seed_everything
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, write  # noqa: E402
+from harness import RESULTS, quiet_trainer, write  # noqa: E402
 
 import lightning_accel  # noqa: E402, F401
 from lightning_accel import ThroughputCallback  # noqa: E402
@@ -30,10 +30,8 @@ def measure(strategy: str, steps: int) -> dict[str, float]:
     model = TinyGPT(vocab_size=8192, seq_len=512, d_model=512, n_layers=8, n_heads=8)
     dm = SyntheticTokenDataModule(num_samples=32 * (steps + 2), seq_len=512, vocab_size=8192, batch_size=32, num_workers=2)
     monitor = ThroughputCallback(warmup_steps=10, summary=False, log_every_n_steps=10**9)
-    trainer = Trainer(
-        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=[monitor],
+    trainer = quiet_trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=steps, callbacks=[monitor],
     )
     trainer.fit(model, datamodule=dm)
     r = monitor.results

@@ -16,7 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_accel  # noqa: F401  (registers the strategy presets)
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
-from lightning_accel.precision import AUTO, auto_precision
+from lightning_accel.precision import auto_precision
 from lightning_accel.strategies import check_strategy_name
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
-from torch import nn
 
 from lightning_accel.compile import CompileCallback
 from lightning_accel.data import SyntheticClassificationDataModule

@@ -22,7 +22,8 @@ _EXTRA_GPU_PEAKS: dict[str, dict[str, float]] = {
 def cpu_flops_per_cycle() -> float:
     """fp32 FLOPs per cycle per core: 2 FMA units x lanes x 2 (multiply + add)."""
     try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
     if " avx512f" in flags:

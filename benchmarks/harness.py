@@ -1,4 +1,4 @@
-"""Writing benchmark results: one JSON and one bar-chart PNG per benchmark, under benchmarks/results/."""
+"""Shared benchmark plumbing: a quiet Trainer, and one JSON plus one bar-chart PNG per benchmark."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -16,6 +17,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def environment() -> dict[str, Any]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     return {"torch": torch.__version__, "device": device, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def quiet_trainer(**kwargs: Any) -> Trainer:
+    """A Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
+    defaults = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    return Trainer(**{**defaults, **kwargs})
 
 
 def write(name: str, result: dict[str, Any], values: dict[str, float], ylabel: str, out: Path = RESULTS) -> Path:
