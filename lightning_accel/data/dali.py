@@ -77,14 +77,20 @@ class _ArrayShardSource:
         self.epoch = -1
         self._batches: Iterator[np.ndarray] | None = None
 
+    def _bounds(self) -> tuple[int, int]:
+        # Same contiguous split as DALI's readers: shard i gets [n*i/k, n*(i+1)/k).
+        n = len(self.images)
+        return n * self.shard_id // self.num_shards, n * (self.shard_id + 1) // self.num_shards
+
     def shard_indices(self, epoch: int) -> np.ndarray:
         n = len(self.images)
         order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
-        # Same contiguous split as DALI's readers: shard i gets [n*i/k, n*(i+1)/k).
-        return order[n * self.shard_id // self.num_shards : n * (self.shard_id + 1) // self.num_shards]
+        start, end = self._bounds()
+        return order[start:end]
 
-    def num_batches(self, epoch: int = 0) -> int:
-        size = len(self.shard_indices(epoch))
+    def num_batches(self) -> int:
+        start, end = self._bounds()  # the shard's size is the same every epoch
+        size = end - start
         return size // self.batch_size if self.last_batch == "drop" else math.ceil(size / self.batch_size)
 
     def __iter__(self) -> _ArrayShardSource:
@@ -136,7 +142,7 @@ def explain_dali_error(err: RuntimeError, source: str) -> RuntimeError:
     """Turn DALI's pipeline error into one that names the folder and, for decode errors, the bad files."""
     text = str(err)
     last = text.strip().splitlines()[-1] if text.strip() else ""
-    if "decoders" in text or "nvImageCodec" in text or "decode" in text.lower():
+    if "nvImageCodec" in text or "decode" in text.lower():  # "decode" also matches fn.decoders.image
         bad = find_unreadable_images(source) if Path(source).is_dir() else []
         named = f" Unreadable files: {bad}." if bad else ""
         return RuntimeError(f"DALI could not decode an image under {source!r}.{named} Remove or re-encode it. (DALI: {last})")
@@ -249,6 +255,7 @@ class DALIImageDataModule(LightningDataModule):
         if folder is not None and file_list is None:
             raise RuntimeError("DALIImageDataModule.setup() must run before its dataloaders are requested")
         arrays = self.train_arrays if train else self.val_arrays
+        source_name = str(folder or "arrays")  # named in error messages
         decode_device, aug_device = ("mixed", "gpu") if self.use_gpu else ("cpu", "cpu")
         source: _ArrayShardSource | None = None
         if folder is None:
@@ -301,9 +308,9 @@ class DALIImageDataModule(LightningDataModule):
                 auto_reset=True,
             )
         except RuntimeError as err:
-            raise explain_dali_error(err, str(folder or "arrays")) from err
+            raise explain_dali_error(err, source_name) from err
         length = len(iterator) if source is None else source.num_batches()
-        return DALILoader(iterator, length, as_dict=hp.as_dict, source=str(folder or "arrays"))
+        return DALILoader(iterator, length, as_dict=hp.as_dict, source=source_name)
 
     def train_dataloader(self) -> DALILoader:
         return self._loader(train=True)
