@@ -162,8 +162,8 @@ def test_periodic_saves_keep_last_n_and_async_snapshots_are_point_in_time(tmp_pa
     Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=12, callbacks=[cb, Snapshot()])).fit(MLPClassifier(input_dim=8), datamodule=dm)
     assert [p.name for p in cb.saved] == [f"step={s:08d}.ckpt" for s in (3, 6, 9, 12)]
     remaining = sorted(p.name for p in (tmp_path / "ck").glob("*.ckpt"))
-    # keep_last=2 counts finished files only, so the write in flight at the last prune may survive too
-    assert remaining[-2:] == ["step=00000009.ckpt", "step=00000012.ckpt"] and len(remaining) <= 3
+    # keep_last=2 counts finished files only; writes still in flight are pruned at teardown
+    assert remaining == ["step=00000009.ckpt", "step=00000012.ckpt"]
     for name in remaining:
         step = int(name[5:13])
         assert verify(tmp_path / "ck" / name) is None
@@ -205,3 +205,13 @@ def test_signal_in_process_stops_after_the_step_and_exits_with_code(tmp_path):
     assert trainer.global_step == 4  # the signalled step finished, nothing after it ran
     assert [p.name for p in cb.saved] == ["step=00000004.ckpt"]
     assert signal.getsignal(signal.SIGTERM) is not cb._handle  # handler removed at teardown
+
+
+def test_prune_never_deletes_a_file_whose_manifest_is_not_written_yet(tmp_path):
+    """An async write renames the checkpoint into place before writing its manifest."""
+    cb = PreemptionCheckpoint(tmp_path, keep_last=2)
+    for step in (3, 6):
+        atomic_save({"global_step": step}, tmp_path / f"step={step:08d}.ckpt", {"global_step": step})
+    torch.save({"global_step": 9}, tmp_path / "step=00000009.ckpt")  # renamed, manifest still pending
+    cb._prune()
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=00000003.ckpt", "step=00000006.ckpt", "step=00000009.ckpt"]

@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
-from lightning_accel.checkpoint.atomic import TMP_MARKER, AtomicCheckpointIO, manifest_path, verify
+from lightning_accel.checkpoint.atomic import TMP_MARKER, AtomicCheckpointIO, manifest_path, read_manifest, verify
 from lightning_accel.checkpoint.resume import list_checkpoints
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,10 @@ class PreemptionCheckpoint(Callback):
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous_handlers.clear()
+        if stage == "fit" and trainer.is_global_zero:
+            # Async writes still queued at the last saves were skipped by pruning; Lightning has
+            # flushed them by now (strategy teardown runs before this hook), so count them now.
+            self._prune()
         if stage == "fit" and self.preempted and self.exit_on_preempt:
             log.info("preempted: checkpoint saved, exiting with code %d", self.exit_code)
             if dist.is_available() and dist.is_initialized():
@@ -191,9 +195,15 @@ class PreemptionCheckpoint(Callback):
         if self.keep_last is None:
             return
         # Only complete checkpoints count, so a write still in flight (async) never pushes out the
-        # last good one; it is counted at the next save. Size against the manifest is enough here
-        # (hashing every kept file on the training thread would stall it); resume checks the hash.
-        valid = [p for p in list_checkpoints(self.dirpath, "step=*.ckpt") if verify(p, checksum=False) is None]
+        # last good one; it is counted at the next save. Complete means a manifest is there: an async
+        # write renames the file into place before it writes the manifest, and such a file has no
+        # recorded step, so it would sort as the oldest and be deleted. Size against the manifest is
+        # enough here (hashing every kept file on the training thread would stall it); resume checks
+        # the hash.
+        valid = [
+            p for p in list_checkpoints(self.dirpath, "step=*.ckpt")
+            if read_manifest(p) is not None and verify(p, checksum=False) is None
+        ]
         for old in valid[self.keep_last :]:
             old.unlink(missing_ok=True)
             manifest_path(old).unlink(missing_ok=True)
