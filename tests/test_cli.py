@@ -49,6 +49,7 @@ def test_auto_precision_in_recipe_resolves_to_bf16_on_cpu(tmp_path):
         "fit", "--config", str(ROOT / "recipes/tiny_gpt_cpu.yaml"),
         "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "null",
         "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0",
+        "--trainer.default_root_dir", str(tmp_path),
     ])
     assert cli.trainer.precision == "bf16-mixed"
 
@@ -83,7 +84,7 @@ def test_ckpt_path_auto_starts_fresh_then_resumes(tmp_path, caplog):
     common = [
         "fit", "--config", str(ROOT / "recipes/mlp_cpu.yaml"), "--trainer.enable_progress_bar", "false",
         "--trainer.callbacks+=lightning_accel.PreemptionCheckpoint", f"--trainer.callbacks.dirpath={ckpts}",
-        "--trainer.callbacks.every_n_steps=5", "--ckpt_path", "auto",
+        "--trainer.callbacks.every_n_steps=5", "--ckpt_path", "auto", "--trainer.default_root_dir", str(tmp_path),
     ]
     with caplog.at_level("INFO", logger="lightning_accel.cli"):
         first = build_cli([*common, "--trainer.max_steps", "10"])
@@ -99,7 +100,8 @@ def test_ckpt_path_auto_starts_fresh_then_resumes(tmp_path, caplog):
     assert any(not torch.equal(v, second.model.state_dict()[k]) for k, v in first_w.items())  # it trained on
 
 
-def test_ckpt_path_auto_without_preemption_callback_is_an_error():
-    result = run_cli("fit", "--config", "recipes/mlp_cpu.yaml", "--ckpt_path", "auto", "--trainer.max_steps", "1")
+def test_ckpt_path_auto_without_preemption_callback_is_an_error(tmp_path):
+    result = run_cli("fit", "--config", "recipes/mlp_cpu.yaml", "--ckpt_path", "auto", "--trainer.max_steps", "1",
+                     "--trainer.default_root_dir", str(tmp_path))
     assert result.returncode != 0
     assert "--ckpt_path auto needs a PreemptionCheckpoint callback" in result.stderr
