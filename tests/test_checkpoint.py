@@ -44,7 +44,8 @@ def wait_for_step(progress: Path, step: int, proc: subprocess.Popen, timeout: fl
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"run ended early ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
-        if progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= step:
+        text = progress.read_text().strip() if progress.exists() else ""
+        if text and int(text) >= step:
             return
         time.sleep(0.05)
     raise AssertionError(f"step {step} not reached in {timeout}s")

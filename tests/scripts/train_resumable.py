@@ -32,7 +32,10 @@ class Progress(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.path and trainer.is_global_zero:
-            Path(self.path).write_text(str(trainer.global_step))
+            # write-then-rename: the test polls this file and must never read it half-written
+            tmp = Path(self.path + ".tmp")
+            tmp.write_text(str(trainer.global_step))
+            os.replace(tmp, self.path)
         if os.environ.get("TRAIN_DEBUG"):
             print("DBG", trainer.global_step, batch[0][:, 0].tolist(), float(outputs["loss"]), torch.rand(1).item(), flush=True)
         time.sleep(self.delay_s)
