@@ -39,6 +39,28 @@ def test_presets_registered_and_stock_names_kept():
     lightning_accel.register_presets()  # idempotent
 
 
+_EXIT_PROBE = """
+import atexit, os, sys, tempfile
+import torch.distributed as dist
+# atexit runs handlers last-registered-first: this one, registered before lightning_accel is
+# imported, runs after lightning_accel's hook and sees what that hook left behind.
+atexit.register(lambda: print("open at exit:", dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+import lightning, lightning.pytorch
+if sys.argv[1] == "accel":
+    import lightning_accel
+"""
+
+
+@pytest.mark.parametrize(("imports", "open_at_exit"), [("accel", False), ("lightning-only", True)])
+def test_gloo_process_group_closed_before_interpreter_exit(imports, open_at_exit):
+    # The control run (Lightning alone) shows the group would otherwise still be open at exit,
+    # where gloo's threads can abort a finished run with SIGABRT.
+    proc = subprocess.run([sys.executable, "-c", _EXIT_PROBE, imports], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"open at exit: {open_at_exit}"
+
+
 def test_ddp_presets_pass_tuned_kwargs():
     ddp = StrategyRegistry.get("accel_ddp")
     assert type(ddp) is DDPStrategy

@@ -75,9 +75,6 @@ def main() -> None:
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
-    if torch.distributed.is_initialized():  # see train_distributed.py: close gloo before exit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
