@@ -22,6 +22,7 @@ from lightning_accel.checkpoint import (
     find_resume_checkpoint,
     verify,
 )
+from lightning_accel.checkpoint import preemption
 from lightning_accel.data import SyntheticClassificationDataModule
 from lightning_accel.models import MLPClassifier
 
@@ -173,15 +174,25 @@ def test_periodic_saves_keep_last_n_and_async_snapshots_are_point_in_time(tmp_pa
         assert torch.equal(state["state_dict"]["net.0.weight"], snapshots[step])  # not a later weight
 
 
-def test_time_based_save(tmp_path):
-    class Slow(Callback):
-        def on_train_batch_end(self, *args):
-            time.sleep(0.06)
+def test_time_based_save(tmp_path, monkeypatch):
+    # A fake clock the callback reads: each step "takes" 0.06 s whatever the machine's load is.
+    class Clock:
+        now = 0.0
 
+        @classmethod
+        def monotonic(cls) -> float:
+            return cls.now
+
+    class Tick(Callback):
+        def on_train_batch_end(self, *args):
+            Clock.now += 0.06
+
+    monkeypatch.setattr(preemption, "time", Clock)
     cb = PreemptionCheckpoint(tmp_path / "ck", every_n_seconds=0.1, keep_last=None)
     dm = SyntheticClassificationDataModule(num_samples=128, input_dim=8, batch_size=16)
-    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=8, callbacks=[Slow(), cb])).fit(MLPClassifier(input_dim=8), datamodule=dm)
-    assert 2 <= len(cb.saved) <= 5  # about every second step (0.06 s each, 0.1 s interval)
+    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=8, callbacks=[Tick(), cb])).fit(MLPClassifier(input_dim=8), datamodule=dm)
+    # 0.12 s since the last save at steps 2, 4, 6 and 8; 0.06 s is too soon at the odd steps
+    assert [p.name for p in cb.saved] == [f"step={s:08d}.ckpt" for s in (2, 4, 6, 8)]
 
 
 def test_bad_arguments_are_clear():
