@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check for a lent H200 (no network there). Runs in well under 8 minutes and writes
-# JSON, PNG and logs to $OUT (the device tool brings them back; elsewhere: benchmarks/results/gpu).
+# JSON, PNG and logs (packed into $OUT on the device, see below; elsewhere: benchmarks/results/gpu).
 #
 # Through the device tool, from the repo root here (see docs/performance.md):
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
@@ -9,8 +9,18 @@
 # section is skipped there unless the image has it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/gpu}
-mkdir -p "$OUT"
+# The device tool brings back at most 8 files from $OUT, and this check writes about 15 (a log per
+# section, JSON + PNG per benchmark). So on the device everything goes to $RES and $OUT gets, after
+# every section (a run killed at its limit still returns what it had): gpu_check.tar.gz with it all,
+# plus status.txt, environment.txt and the benchmark JSONs to read without unpacking (7 files at most).
+if [[ -n "${OUT:-}" ]]; then RES=/tmp/gpu_check; else OUT=benchmarks/results/gpu RES=benchmarks/results/gpu; fi
+mkdir -p "$OUT" "$RES"
+pack() {
+  [[ "$RES" == "$OUT" ]] && return
+  tar czf "$OUT/gpu_check.tar.gz" -C "$RES" . && cp "$RES"/status.txt "$RES"/environment.txt "$OUT"/ 2>/dev/null
+  cp "$RES"/*.json "$OUT"/ 2>/dev/null
+  return 0
+}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
@@ -18,8 +28,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-$PY - > "$OUT/environment.txt" 2>&1 <<'PY'
+nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+$PY - > "$RES/environment.txt" 2>&1 <<'PY'
 import importlib, torch, lightning
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())
 print("lightning", lightning.__version__)
@@ -30,27 +40,29 @@ for name in ("deepspeed", "nvidia.dali", "transformer_engine", "pynvml", "jsonar
         print(name, "missing:", err)
 PY
 
-: > "$OUT/status.txt"
+: > "$RES/status.txt"
 step() {  # step NAME SECONDS command...: each section is bounded and never stops the others
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? seconds=$((SECONDS - start))" | tee -a "$OUT/status.txt"
+  timeout "$limit" "$@" > "$RES/$name.log" 2>&1
+  echo "$name rc=$? seconds=$((SECONDS - start))" | tee -a "$RES/status.txt"
+  pack
 }
 
 # 1. fp32 eager vs bf16-mixed vs compiled on the tiny-GPT recipe's model (steps/s, MFU)
-step precision_compile 200 $PY benchmarks/precision_compile.py --gpu --steps 60 --out "$OUT"
+step precision_compile 200 $PY benchmarks/precision_compile.py --gpu --steps 60 --out "$RES"
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
 step gpu_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_monitor.py \
   "tests/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/test_data_dali.py::test_gpu_mixed_decode"
 # 3. single-GPU strategies: plain vs accel_zero2 vs accel_fsdp
-step strategies 150 $PY benchmarks/strategies_gpu.py --steps 40 --out "$OUT"
+step strategies 150 $PY benchmarks/strategies_gpu.py --steps 40 --out "$RES"
 # 4. checkpoint stall, sync vs async, 200M parameters (800 MB) from GPU memory
-step checkpoint 90 $PY benchmarks/checkpoint_async.py --gpu --params-m 200 --saves 3 --out "$OUT"
+step checkpoint 90 $PY benchmarks/checkpoint_async.py --gpu --params-m 200 --saves 3 --out "$RES"
 # 5. DALI mixed decode vs CPU backend vs torch DataLoader (only where DALI is installed)
 if $PY -c "import nvidia.dali" 2>/dev/null; then
-  step dataloading 90 $PY benchmarks/dataloading.py --gpu --images 512 --workers 8 --out "$OUT"
+  step dataloading 90 $PY benchmarks/dataloading.py --gpu --images 512 --workers 8 --out "$RES"
 else
-  echo "dataloading skipped: nvidia-dali-cuda120 is not installed on this machine" | tee -a "$OUT/status.txt"
+  echo "dataloading skipped: nvidia-dali-cuda120 is not installed on this machine" | tee -a "$RES/status.txt"
 fi
-cat "$OUT/status.txt"
+pack
+cat "$RES/status.txt"
