@@ -18,7 +18,7 @@ from lightning_accel.models import MLPClassifier, TinyGPT
 from lightning_accel.monitor import ThroughputCallback, UtilizationMonitor, cpu_peak_flops
 from lightning_accel.monitor.throughput import _Step
 
-from .conftest import tiny_trainer_kwargs
+from .conftest import requires_cuda, tiny_trainer_kwargs
 
 
 def fit(tmp_path, model, dm, callbacks, **kw):
@@ -138,3 +138,42 @@ def test_nvml_reason_recorded_when_absent(tmp_path, caplog):
 
     nvml = _NVML(None)
     assert not nvml.available and nvml.reason == "no CUDA device visible"
+
+
+class FakeNVML:
+    """Two physical GPUs; only the second one is visible to CUDA (CUDA_VISIBLE_DEVICES=1)."""
+
+    def __init__(self, known_uuids: tuple[str, ...]) -> None:
+        self.known = known_uuids
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        if uuid not in self.known:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return f"handle of {uuid}"
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return f"handle of physical GPU {index}"
+
+
+def test_nvml_handle_follows_cuda_visible_devices_by_uuid(caplog):
+    from lightning_accel.monitor.utilization import nvml_handle
+
+    nv = FakeNVML(("GPU-aaaa", "GPU-bbbb"))
+    # CUDA's device 0 is physical GPU 1 (uuid bbbb): the index alone would read the wrong GPU
+    assert nvml_handle(nv, "bbbb", 0) == "handle of GPU-bbbb"
+    assert nvml_handle(nv, "GPU-bbbb", 0) == "handle of GPU-bbbb"
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        assert nvml_handle(nv, "MIG-cccc", 0) == "handle of physical GPU 0"
+    assert "NVML does not know CUDA device 0 by UUID MIG-cccc" in caplog.text
+
+
+@requires_cuda
+def test_nvml_reads_the_training_gpu(tmp_path):
+    cb = UtilizationMonitor(interval_s=0.0, summary=False)
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, callbacks=[cb], max_steps=3, accelerator="gpu"))
+    trainer.fit(MLPClassifier(input_dim=16), datamodule=SyntheticClassificationDataModule(num_samples=64, input_dim=16, batch_size=16))
+    total_gib = torch.cuda.get_device_properties(trainer.strategy.root_device).total_memory / 2**30
+    assert cb.last["gpu/memory_total_gib"] == pytest.approx(total_gib, rel=0.02)
+    assert 0 < cb.last["gpu/memory_used_gib"] <= cb.last["gpu/memory_total_gib"]
+    assert cb.last["gpu/power_w"] > 0 and 0 <= cb.last["gpu/utilization_pct"] <= 100

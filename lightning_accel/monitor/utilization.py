@@ -16,6 +16,24 @@ from lightning_accel.monitor.summary import print_summary
 log = logging.getLogger(__name__)
 
 
+def nvml_handle(nvml: Any, cuda_uuid: str, cuda_index: int) -> Any:
+    """NVML handle of the GPU that CUDA calls ``cuda_index``.
+
+    NVML numbers GPUs physically, CUDA only those ``CUDA_VISIBLE_DEVICES`` leaves, in its order:
+    under SLURM or a per-rank mask, CUDA's device 0 may be NVML's device 3. The UUID names the same
+    GPU in both. The index is a last resort (a MIG slice, say), with a warning.
+    """
+    uuid = cuda_uuid if cuda_uuid.startswith(("GPU-", "MIG-")) else f"GPU-{cuda_uuid}"
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception as err:
+        log.warning(
+            "NVML does not know CUDA device %d by UUID %s (%s): reading NVML device %d, which is another GPU "
+            "if CUDA_VISIBLE_DEVICES reorders them", cuda_index, uuid, err, cuda_index,
+        )
+        return nvml.nvmlDeviceGetHandleByIndex(cuda_index)
+
+
 class _NVML:
     """Thin guard over nvidia-ml-py: ``available`` is False (with ``reason``) when there is no driver."""
 
@@ -29,7 +47,7 @@ class _NVML:
 
             pynvml.nvmlInit()
             index = device_index if device_index is not None else 0
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.handle = nvml_handle(pynvml, str(torch.cuda.get_device_properties(index).uuid), index)
             self.pynvml = pynvml
             self.available = True
         except Exception as err:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded ...
@@ -91,7 +109,9 @@ class UtilizationMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.nvml is not None:
             return
-        index = pl_module.device.index if pl_module.device.type == "cuda" else None
+        # The strategy's device, not the module's: Lightning moves the module only after this hook.
+        device = trainer.strategy.root_device
+        index = device.index if device.type == "cuda" else None
         self.nvml = _NVML(index)
         if not self.nvml.available:
             log.info("GPU telemetry off (%s); logging host metrics only", self.nvml.reason)
