@@ -46,16 +46,26 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("strategies_gpu.py needs a CUDA GPU")
     rows: dict[str, dict[str, float]] = {}
+    errors: dict[str, str] = {}
     for strategy in ("auto", "accel_zero2", "accel_fsdp"):
         if strategy == "accel_zero2" and importlib.util.find_spec("deepspeed") is None:
-            print("skipping accel_zero2: deepspeed is not installed here (carry its wheel)")
+            errors[strategy] = "deepspeed is not installed here (carry its wheel)"
+            print(f"skipping {strategy}: {errors[strategy]}")
             continue
         torch.cuda.reset_peak_memory_stats()
-        rows[strategy] = measure(strategy, args.steps)
+        try:  # one device run is all there is: a failing preset must not cost the others' numbers
+            rows[strategy] = measure(strategy, args.steps)
+        except Exception as err:
+            errors[strategy] = f"{type(err).__name__}: {err}"
+            print(f"{strategy} failed: {errors[strategy]}", file=sys.stderr)
+            continue
         print(f"{strategy:>12}: {rows[strategy]['steps_per_sec']:.2f} steps/s, MFU {rows[strategy]['mfu']:.3f}")
-    base = rows["auto"]["steps_per_sec"]
-    result = {"rows": rows, "ratio_vs_single_device": {k: v["steps_per_sec"] / base for k, v in rows.items()}}
-    write("strategies_gpu", result, result["ratio_vs_single_device"], "steps/s ratio vs single device", out=args.out)
+    base = rows.get("auto", {}).get("steps_per_sec")
+    ratios = {k: v["steps_per_sec"] / base for k, v in rows.items()} if base else {}
+    result = {"rows": rows, "errors": errors, "ratio_vs_single_device": ratios}
+    write("strategies_gpu", result, ratios, "steps/s ratio vs single device", out=args.out)
+    if errors:
+        raise SystemExit(f"strategies failed: {', '.join(errors)}")
 
 
 if __name__ == "__main__":
