@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning.pytorch import seed_everything
@@ -41,12 +42,16 @@ def measure(precision: str, compiled: bool, steps: int, gpu: bool, size: dict) -
     return {"steps_per_sec": 1000.0 / r["throughput/step_time_ms"], "tokens_per_sec": r["throughput/tokens_per_sec"], "mfu": r.get("throughput/mfu", 0.0)}
 
 
-def run(steps: int = 60, gpu: bool = False) -> dict:
+def run(steps: int = 60, gpu: bool = False, after_each: Callable[[dict], None] | None = None) -> dict:
+    """Measure every config in turn; ``after_each`` gets the result so far (a GPU run saves it each time)."""
     size = dict(vocab=8192, seq=512, d=512, layers=8, heads=8, batch=32) if gpu else dict(vocab=256, seq=64, d=128, layers=2, heads=4, batch=16)
-    rows = {name: measure(p, c, steps, gpu, size) for name, (p, c) in CONFIGS.items()}
-    base = rows["fp32 eager"]["steps_per_sec"]
-    ratios = {name: row["steps_per_sec"] / base for name, row in rows.items()}
-    return {"rows": rows, "ratios_vs_fp32_eager": ratios, "steps": steps, "model": size}
+    result: dict = {"rows": {}, "ratios_vs_fp32_eager": {}, "steps": steps, "model": size}
+    for name, (precision, compiled) in CONFIGS.items():
+        result["rows"][name] = row = measure(precision, compiled, steps, gpu, size)
+        result["ratios_vs_fp32_eager"][name] = row["steps_per_sec"] / result["rows"]["fp32 eager"]["steps_per_sec"]
+        if after_each is not None:
+            after_each(result)
+    return result
 
 
 def main() -> None:
@@ -56,8 +61,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = p.parse_args()
     logging.getLogger("lightning").setLevel(logging.ERROR)
-    result = run(args.steps, args.gpu)
-    write("precision_compile" + ("_gpu" if args.gpu else ""), result, result["ratios_vs_fp32_eager"], "steps/s ratio vs fp32 eager", out=args.out)
+    name = "precision_compile" + ("_gpu" if args.gpu else "")
+
+    def save(result: dict) -> None:  # after every config: a run stopped at its time limit keeps what it measured
+        write(name, result, result["ratios_vs_fp32_eager"], "steps/s ratio vs fp32 eager", out=args.out)
+
+    result = run(args.steps, args.gpu, after_each=save)
     for name, ratio in result["ratios_vs_fp32_eager"].items():
         print(f"{name:>14}: {result['rows'][name]['steps_per_sec']:8.2f} steps/s  x{ratio:.2f}")
 
