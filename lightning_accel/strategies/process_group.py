@@ -1,17 +1,23 @@
 """Close a gloo process group that is still open when the interpreter exits.
 
-Lightning leaves the default process group open after ``fit`` (a second ``fit`` or ``test`` in the
-same process reuses it). Left to interpreter shutdown, gloo's background threads are torn down in
-no particular order and the process occasionally dies with SIGABRT after a successful run, which
-turns a green job red. An ``atexit`` hook runs before that shutdown, while everything still exists.
+Lightning leaves the default process group open after ``fit`` (a later ``test`` in the same process
+reuses it) and registers an exit hook that closes it only for NCCL. A gloo group left to interpreter
+shutdown occasionally kills a finished run with SIGABRT ("terminate called without an active
+exception"): gloo's worker threads release tensors while Python is being torn down (see
+pytorch/pytorch#190489). This ``atexit`` hook closes it while the interpreter is still whole.
 
-Only gloo is closed: NCCL's ``destroy_process_group`` may wait on collectives still in flight when
-a rank exits on an error, and a hang there is worse than the abort.
+``destroy_process_group`` alone is not enough: it only unregisters the group, and the C++ group with
+its threads lives on while anything references it, and Lightning's objects (trainer, strategy, DDP
+reducer, FSDP device mesh) reference it from reference cycles that only the garbage collector frees.
+So the hook collects them too, which joins gloo's threads now rather than during shutdown. (FSDP2
+is the exception: DTensor's sharding caches keep its device mesh, and so the group, alive; no public
+API clears them.)
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 
 import torch.distributed as dist
@@ -21,10 +27,14 @@ _registered = False
 
 
 def close_gloo_process_group() -> bool:
-    """Destroy the default process group if it is open and uses gloo; return whether it did."""
+    """Destroy the default process group if it is open and uses gloo, then free what still holds it.
+
+    Returns whether there was a gloo group to close.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         return False
     dist.destroy_process_group()
+    gc.collect()  # frees the cycles still holding the C++ group, so its threads are joined now
     log.debug("closed the gloo process group before interpreter exit")
     return True
 

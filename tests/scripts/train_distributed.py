@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -66,8 +68,17 @@ def main() -> None:
     torch.save(full_state(trainer, model), out / f"weights_rank{rank}.pt")
     (out / f"losses_rank{rank}.json").write_text(json.dumps(record.losses))
     (out / f"strategy_rank{rank}.txt").write_text(type(trainer.strategy).__name__)
-    # The gloo process group is left open on purpose: lightning_accel closes it at exit (see
-    # lightning_accel/strategies/process_group.py), and these runs exercise that.
+    if torch.distributed.is_initialized():
+        # Both ranks have written their files before either exits: the test reads rank 1's files as
+        # soon as rank 0 (the launching process) ends.
+        torch.distributed.barrier()
+    # Skip interpreter shutdown: FSDP2's DTensor caches keep the gloo group (and its threads) alive
+    # past lightning_accel's exit hook, and gloo threads alive during shutdown occasionally abort a
+    # finished run (pytorch/pytorch#190489). These runs test training, not exiting; the exit hook has
+    # its own test (test_gloo_process_group_closed_before_interpreter_exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
