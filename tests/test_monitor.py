@@ -93,6 +93,20 @@ def test_slow_input_pipeline_is_detected(tmp_path):
     assert cb.results["throughput/data_wait_share"] > 0.5
 
 
+def test_dense_gpu_peaks_by_reported_name():
+    from lightning_accel.monitor.peaks import gpu_peak_flops
+
+    # what torch.cuda.get_device_name() returns on each
+    assert gpu_peak_flops("NVIDIA H200", torch.bfloat16) == 989.4e12  # Lightning's table has no match for it
+    assert gpu_peak_flops("NVIDIA H200", torch.float32) == 66.9e12
+    assert gpu_peak_flops("NVIDIA H200", torch.float32, tf32=True) == 494.7e12
+    assert gpu_peak_flops("NVIDIA H200 NVL", torch.float16) == 835.5e12
+    assert gpu_peak_flops("NVIDIA H100 NVL", torch.bfloat16) == 835.5e12  # Lightning: 1978.8e12, with sparsity
+    assert gpu_peak_flops("AMD Instinct MI300X", torch.bfloat16) == 1307.4e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) is None  # left to Lightning (dense 989.4e12)
+    assert gpu_peak_flops("NVIDIA H200", torch.float64) is None
+
+
 def test_cpu_peak_estimate():
     from lightning_accel.monitor.peaks import cpu_flops_per_cycle
 

@@ -1,7 +1,10 @@
 """Peak FLOP/s per device and dtype, for MFU.
 
-CUDA devices come from Lightning's own table (``get_available_flops``); the AMD MI300X and CPUs are
-added here. CPU peaks are estimates (cores x clock x FLOPs per cycle) and are labelled as such.
+MFU is measured against *dense* peaks (the PaLM convention torchtitan and Composer use too).
+Lightning's table (``get_available_flops``) covers most NVIDIA GPUs with dense numbers, but it does
+not recognise the name an H200 reports ("NVIDIA H200"), and its H200 and H100 NVL rows are the
+with-sparsity datasheet figures, twice the dense ones. Those, and AMD's MI300X/MI250X, come from
+the table here first. CPU peaks are estimates (cores x clock x FLOPs per cycle), labelled as such.
 """
 
 from __future__ import annotations
@@ -12,11 +15,30 @@ import psutil
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 
-# Dense (no sparsity) peaks in FLOP/s, from the vendor datasheets.
-_EXTRA_GPU_PEAKS: dict[str, dict[str, float]] = {
-    "mi300x": {"bf16": 1307.4e12, "fp16": 1307.4e12, "fp32": 163.4e12},
-    "mi250x": {"bf16": 383.0e12, "fp16": 383.0e12, "fp32": 47.9e12},
-}
+# Dense peaks in FLOP/s from the vendor datasheets (sparsity figures halved), matched in order as
+# substrings of the lower-cased device name: "h200 nvl" before "h200".
+_GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("h200 nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60.0e12}),
+    ("h200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("h100 nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60.0e12}),
+    ("mi300x", {"bf16": 1307.4e12, "fp16": 1307.4e12, "tf32": 653.7e12, "fp32": 163.4e12}),
+    ("mi250x", {"bf16": 383.0e12, "fp16": 383.0e12, "tf32": 95.7e12, "fp32": 47.9e12}),
+)
+
+
+def gpu_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """Dense peak of a GPU by the name torch reports, from the table above (``None``: not in it).
+
+    ``tf32`` picks the TF32 tensor-core peak for fp32 matmuls (``torch.set_float32_matmul_precision``
+    "high" or "medium").
+    """
+    name = device_name.lower()
+    for key, table in _GPU_PEAKS:
+        if key in name:
+            if dtype == torch.float32:
+                return table["tf32" if tf32 else "fp32"]
+            return table.get({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, ""))
+    return None
 
 
 def cpu_flops_per_cycle() -> float:
@@ -60,11 +82,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
     if device.type == "cpu":
         return cpu_peak_flops(), "cpu-estimate"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        for key, table in _EXTRA_GPU_PEAKS.items():
-            if key in name:
-                short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-                return table[short], "datasheet"
-        flops = get_available_flops(device, dtype)
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        ours = gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32)
+        if ours is not None:
+            return ours, "datasheet"
+        flops = get_available_flops(device, dtype)  # Lightning's table; it applies TF32 the same way
         return (float(flops), "datasheet") if flops else (None, "unknown device")
     return None, "unknown device"

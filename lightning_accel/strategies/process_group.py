@@ -6,12 +6,12 @@ shutdown occasionally kills a finished run with SIGABRT ("terminate called witho
 exception"): gloo's worker threads release tensors while Python is being torn down (see
 pytorch/pytorch#190489). This ``atexit`` hook closes it while the interpreter is still whole.
 
-``destroy_process_group`` alone is not enough: it only unregisters the group, and the C++ group with
-its threads lives on while anything references it, and Lightning's objects (trainer, strategy, DDP
-reducer, FSDP device mesh) reference it from reference cycles that only the garbage collector frees.
-So the hook collects them too, which joins gloo's threads now rather than during shutdown. (FSDP2
-is the exception: DTensor's sharding caches keep its device mesh, and so the group, alive; no public
-API clears them.)
+``destroy_process_group`` alone is not always enough: it only unregisters the group, and the C++
+group with its threads lives on while anything still references it, such as an object caught in a
+reference cycle (trainers, strategies and modules point at each other), which only the garbage
+collector frees. So the hook collects too, which joins gloo's threads now rather than during
+shutdown. FSDP2 is the exception: DTensor's sharding caches keep its device mesh, and so the group,
+alive, and no public API clears them.
 """
 
 from __future__ import annotations
