@@ -61,10 +61,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = p.parse_args()
     logging.getLogger("lightning").setLevel(logging.ERROR)
-    name = "precision_compile" + ("_gpu" if args.gpu else "")
+    bench = "precision_compile" + ("_gpu" if args.gpu else "")
 
     def save(result: dict) -> None:  # after every config: a run stopped at its time limit keeps what it measured
-        write(name, result, result["ratios_vs_fp32_eager"], "steps/s ratio vs fp32 eager", out=args.out)
+        write(bench, result, result["ratios_vs_fp32_eager"], "steps/s ratio vs fp32 eager", out=args.out)
 
     result = run(args.steps, args.gpu, after_each=save)
     for name, ratio in result["ratios_vs_fp32_eager"].items():

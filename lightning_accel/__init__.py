@@ -1,7 +1,8 @@
 """lightning-accel: make any LightningModule train fast and survive interruptions.
 
 Importing the package registers the strategy presets (``accel_ddp``, ``accel_zero2`` ...) in
-Lightning's ``StrategyRegistry``.
+Lightning's ``StrategyRegistry``, and an exit hook that closes a gloo process group Lightning left
+open (see ``lightning_accel/strategies/process_group.py``).
 """
 
 from lightning_accel.checkpoint import AtomicCheckpointIO, PreemptionCheckpoint, find_resume_checkpoint
@@ -9,9 +10,10 @@ from lightning_accel.compile import CompileCallback
 from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
 from lightning_accel.monitor import ThroughputCallback, UtilizationMonitor
 from lightning_accel.precision import auto_precision, choose_precision
-from lightning_accel.strategies import PRESETS, register_presets
+from lightning_accel.strategies import PRESETS, close_gloo_process_group_at_exit, register_presets
 
 register_presets()
+close_gloo_process_group_at_exit()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -13,7 +13,6 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 
 from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero_config
 from lightning_accel.strategies.fsdp import AccelFSDPStrategy
-from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit
 
 
 @dataclass(frozen=True)
@@ -59,11 +58,7 @@ PRESETS: dict[str, Preset] = {
 
 
 def register_presets() -> None:
-    """Register every preset in ``StrategyRegistry`` (idempotent; called on ``import lightning_accel``).
-
-    Also makes a gloo process group left open by Lightning close before interpreter exit.
-    """
-    close_gloo_process_group_at_exit()
+    """Register every preset in ``StrategyRegistry`` (idempotent; called on ``import lightning_accel``)."""
     for name, preset in PRESETS.items():
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, preset.strategy, description=preset.description, **preset.kwargs)

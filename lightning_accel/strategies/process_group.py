@@ -23,7 +23,6 @@ import logging
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
-_registered = False
 
 
 def close_gloo_process_group() -> bool:
@@ -40,8 +39,6 @@ def close_gloo_process_group() -> bool:
 
 
 def close_gloo_process_group_at_exit() -> None:
-    """Register :func:`close_gloo_process_group` with ``atexit`` (once per process)."""
-    global _registered
-    if not _registered:
-        atexit.register(close_gloo_process_group)
-        _registered = True
+    """Register :func:`close_gloo_process_group` with ``atexit`` (idempotent: once per process)."""
+    atexit.unregister(close_gloo_process_group)
+    atexit.register(close_gloo_process_group)
