@@ -5,7 +5,7 @@ Lightning's ``StrategyRegistry``, and an exit hook that closes a gloo process gr
 open (see ``lightning_accel/strategies/process_group.py``).
 """
 
-from lightning_accel.checkpoint import AtomicCheckpointIO, PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.checkpoint import AtomicCheckpointIO, Preempted, PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.compile import CompileCallback
 from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
 from lightning_accel.monitor import ThroughputCallback, UtilizationMonitor
@@ -20,6 +20,7 @@ __all__ = [
     "PRESETS",
     "AtomicCheckpointIO",
     "CompileCallback",
+    "Preempted",
     "PreemptionCheckpoint",
     "ResumableDataLoader",
     "SyntheticClassificationDataModule",

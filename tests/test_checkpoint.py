@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -87,6 +88,33 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_equal(tmp_path, devices, async
     assert_same_weights(tmp_path / "ref.pt", tmp_path / "run.pt")
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_kill_9_at_random_moments_then_resume_is_bitwise_equal(tmp_path):
+    """Three SIGKILLs at random moments (saves every 2 steps, so some land mid-save), then a resume."""
+    ref = run_script("--ckpt-dir", str(tmp_path / "ref_ckpts"), "--out", str(tmp_path / "ref.pt"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    rng = random.Random(7)  # seeded: a failure is reproducible
+    ckpts, progress = tmp_path / "ckpts", tmp_path / "progress"
+    reached = 0
+    for _ in range(3):
+        proc = start_script(
+            "--ckpt-dir", str(ckpts), "--out", str(tmp_path / "run.pt"), "--progress", str(progress),
+            "--step-delay", "0.05", "--every-n-steps", "2", "--async-save", "--resume",
+        )
+        wait_for_step(progress, reached + 3, proc)
+        time.sleep(rng.uniform(0.0, 0.4))
+        proc.kill()
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        newest = find_resume_checkpoint(ckpts)
+        assert newest is not None and verify(newest)  # a valid checkpoint always remains
+        reached = int(Path(newest).stem.split("=")[1])
+    resumed = run_script("--ckpt-dir", str(ckpts), "--out", str(tmp_path / "run.pt"), "--every-n-steps", "2", "--async-save", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(tmp_path / "ref.pt", tmp_path / "run.pt")
+
+
 SLOW_SAVE = """
 import sys, time, torch
 from lightning_accel.checkpoint import atomic_save
@@ -106,7 +134,7 @@ def test_kill_9_during_save_leaves_previous_checkpoint_intact(tmp_path):
     assert any(p.name.startswith(".last.ckpt.tmp-") for p in tmp_path.iterdir())
     proc.kill()
     proc.wait(timeout=30)
-    assert verify(path) is None
+    assert verify(path)
     assert torch.equal(AtomicCheckpointIO().load_checkpoint(path)["w"], torch.zeros(1000))
     assert find_resume_checkpoint(tmp_path) == str(path)
 
@@ -125,8 +153,8 @@ def test_truncated_and_corrupt_checkpoints_are_skipped(tmp_path):
     messages = [str(w.message) for w in record]
     assert any("step=30.ckpt" in m and "truncated" in m for m in messages)
     assert any("step=20.ckpt" in m and "SHA-256" in m for m in messages)
-    assert verify(middle, checksum=False) is None  # the cheap check (used when pruning) sees size only
-    assert "truncated" in verify(newest, checksum=False)
+    assert verify(middle, checksum=False)  # the cheap check (used when pruning) sees size only
+    assert "truncated" in verify(newest, checksum=False).reason
     with pytest.raises(CorruptCheckpointError, match="step=20.ckpt is not usable: SHA-256"):
         AtomicCheckpointIO().load_checkpoint(middle)
 
@@ -136,8 +164,8 @@ def test_foreign_checkpoint_without_manifest_is_checked_by_zip_integrity(tmp_pat
     torch.save({"x": torch.ones(10)}, good)
     torch.save({"x": torch.ones(10)}, bad)
     bad.write_bytes(bad.read_bytes()[:200])
-    assert verify(good) is None
-    assert "not a readable torch checkpoint" in verify(bad)
+    assert verify(good).checked_by == "zip" and verify(good)
+    assert "not a readable torch checkpoint" in verify(bad).reason
     assert find_resume_checkpoint(tmp_path / "missing_dir") is None
 
 
@@ -168,7 +196,7 @@ def test_periodic_saves_keep_last_n_and_async_snapshots_are_point_in_time(tmp_pa
     assert remaining == ["step=00000009.ckpt", "step=00000012.ckpt"]
     for name in remaining:
         step = int(name[5:13])
-        assert verify(tmp_path / "ck" / name) is None
+        assert verify(tmp_path / "ck" / name)
         state = torch.load(tmp_path / "ck" / name, weights_only=False)
         assert state["global_step"] == step
         assert torch.equal(state["state_dict"]["net.0.weight"], snapshots[step])  # not a later weight

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from lightning.fabric.utilities.types import _PATH
@@ -12,15 +13,29 @@ from lightning_accel.checkpoint.atomic import TMP_MARKER, read_manifest, verify
 
 log = logging.getLogger(__name__)
 
+_STEP_IN_NAME = re.compile(r"step=(\d+)")
+
+
+def recorded_step(path: Path) -> int | None:
+    """The global step of a checkpoint: from its manifest, else from a ``step=N`` in its name."""
+    step = (read_manifest(path) or {}).get("global_step")
+    if isinstance(step, int):
+        return step
+    match = _STEP_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else None
+
 
 def _order_key(path: Path) -> tuple[int, float]:
-    manifest = read_manifest(path) or {}
-    step = manifest.get("global_step")
-    return (int(step) if isinstance(step, int) else -1, path.stat().st_mtime)
+    step = recorded_step(path)
+    return (step if step is not None else -1, path.stat().st_mtime)
 
 
 def list_checkpoints(dirpath: _PATH, pattern: str = "*.ckpt") -> list[Path]:
-    """Checkpoint files in ``dirpath``, newest first (by recorded global step, then modification time)."""
+    """Checkpoint files in ``dirpath``, newest first (by global step, then modification time).
+
+    The step comes from the manifest, or from a ``step=N`` in the file name when the manifest is
+    missing or unreadable, so such a file is not mistaken for the oldest.
+    """
     folder = Path(dirpath)
     if not folder.is_dir():
         return []
@@ -31,13 +46,17 @@ def list_checkpoints(dirpath: _PATH, pattern: str = "*.ckpt") -> list[Path]:
 def find_resume_checkpoint(dirpath: _PATH, pattern: str = "*.ckpt") -> str | None:
     """Path of the newest valid checkpoint in ``dirpath``, or ``None`` to start fresh.
 
-    Use as ``trainer.fit(model, ckpt_path=find_resume_checkpoint("checkpoints"))``; invalid files are
-    skipped with a warning naming the reason, never deleted.
+    Use as ``trainer.fit(model, ckpt_path=find_resume_checkpoint("checkpoints"))``. Invalid files are
+    skipped with a warning naming the reason, never deleted; a file whose manifest is missing or
+    unreadable is used when its zip container is intact, with a warning saying so.
     """
     for path in list_checkpoints(dirpath, pattern):
-        problem = verify(path)
-        if problem is None:
-            log.info("resuming from %s", path)
-            return str(path)
-        rank_zero_warn(f"Skipping checkpoint {path}: {problem}")
+        verdict = verify(path)
+        if not verdict:
+            rank_zero_warn(f"Skipping checkpoint {path}: {verdict.reason}")
+            continue
+        if verdict.checked_by == "zip":
+            rank_zero_warn(f"Resuming from {path} although it has {verdict.reason}")
+        log.info("resuming from %s", path)
+        return str(path)
     return None

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -68,14 +69,16 @@ def find_unreadable_images(root: str | Path, limit: int = 5) -> list[str]:
 
 
 class _ArrayShardSource:
-    """``external_source`` iterable over in-memory arrays: this shard's slice of a per-epoch permutation."""
+    """``external_source`` callback over in-memory arrays: this shard's slice of a per-epoch permutation.
+
+    Stateless: batch ``info.iteration`` of epoch ``info.epoch_idx`` is a pure function of the two, which
+    is what lets DALI's pipeline checkpoints restore an external source exactly.
+    """
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, shard_id: int, num_shards: int, shuffle: bool, seed: int, last_batch: str) -> None:
         self.images, self.labels = images, labels.astype(np.int64)
         self.batch_size, self.shard_id, self.num_shards = batch_size, shard_id, num_shards
         self.shuffle, self.seed, self.last_batch = shuffle, seed, last_batch
-        self.epoch = -1
-        self._batches: Iterator[np.ndarray] | None = None
 
     def _bounds(self) -> tuple[int, int]:
         # Same contiguous split as DALI's readers: shard i gets [n*i/k, n*(i+1)/k).
@@ -93,38 +96,53 @@ class _ArrayShardSource:
         size = end - start
         return size // self.batch_size if self.last_batch == "drop" else math.ceil(size / self.batch_size)
 
-    def __iter__(self) -> _ArrayShardSource:
-        return self
-
-    def _start_epoch(self) -> Iterator[np.ndarray]:
-        self.epoch += 1
-        idx = self.shard_indices(self.epoch)
-        batches = [idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
-        if batches and len(batches[-1]) < self.batch_size:
-            if self.last_batch == "drop":
-                batches.pop()
-            elif self.last_batch == "fill":  # pad with the last sample, like DALI's FILL policy
-                batches[-1] = np.concatenate([batches[-1], np.repeat(batches[-1][-1:], self.batch_size - len(batches[-1]))])
-        return iter(batches)
-
-    def __next__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        # DALI does not call iter() again after an epoch's StopIteration, so the next call after one
-        # starts the next epoch.
-        if self._batches is None:
-            self._batches = self._start_epoch()
-        try:
-            batch = next(self._batches)
-        except StopIteration:
-            self._batches = None
-            raise
-        return [self.images[i] for i in batch], [self.labels[i : i + 1] for i in batch]
+    def __call__(self, info: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if info.iteration >= self.num_batches():
+            raise StopIteration  # DALI starts the next epoch (info.epoch_idx + 1) at the next call
+        idx = self.shard_indices(info.epoch_idx)[info.iteration * self.batch_size : (info.iteration + 1) * self.batch_size]
+        if len(idx) < self.batch_size and self.last_batch == "fill":  # pad with the last sample, like DALI's FILL
+            idx = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])
+        return [self.images[i] for i in idx], [self.labels[i : i + 1] for i in idx]
 
 
 class DALILoader:
-    """Iterable with a length over a DALI iterator; yields ``(images, labels)`` or ``{"images", "labels"}``."""
+    """Iterable with a length over a DALI iterator; yields ``(images, labels)`` or ``{"images", "labels"}``.
 
-    def __init__(self, iterator: DALIGenericIterator, length: int, as_dict: bool, source: str) -> None:
-        self.iterator, self.length, self.as_dict, self.source = iterator, length, as_dict, source
+    Its state is DALI's own pipeline checkpoint (reader positions, random generators), which Lightning
+    stores in its checkpoints and hands back on resume: the iterator is rebuilt from it, so a mid-epoch
+    resume continues with exactly the batches and augmentations the uninterrupted run would have seen.
+    """
+
+    def __init__(self, build: Callable[[str | None], DALIGenericIterator], as_dict: bool, source: str, shard_id: int = 0, length: int | None = None) -> None:
+        self._build, self.as_dict, self.source, self.shard_id = build, as_dict, source, shard_id
+        self.iterator = build(None)
+        self.length = len(self.iterator) if length is None else length
+
+    def state_dict(self) -> dict[str, Any]:
+        """DALI's checkpoint of every rank's pipeline (indexed by shard) at the last batch handed out.
+
+        Lightning writes the checkpoint from rank 0 only, so each rank's pipeline state (its own reader
+        position and augmentation generators) is gathered here; it calls this on every rank.
+        """
+        own = self.iterator.checkpoints()[0]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (self.shard_id, own))
+            by_shard = dict(gathered)
+            return {"dali_checkpoints": [by_shard[i] for i in sorted(by_shard)]}
+        return {"dali_checkpoints": [own]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Rebuild the pipeline from this shard's checkpoint made by :meth:`state_dict`."""
+        checkpoints = state.get("dali_checkpoints")
+        if not checkpoints:
+            raise ValueError(f"DALILoader state has no DALI checkpoint: got keys {sorted(state)}")
+        if self.shard_id >= len(checkpoints):
+            raise ValueError(
+                f"the checkpoint holds DALI states for {len(checkpoints)} shards, this is shard {self.shard_id}: "
+                "resuming with a different world size is not exact (see docs/checkpointing.md)"
+            )
+        self.iterator = self._build(checkpoints[self.shard_id])
 
     def __len__(self) -> int:
         return self.length
@@ -213,7 +231,10 @@ class DALIImageDataModule(LightningDataModule):
                     raise ValueError(f"{name} must be (uint8 images (N,H,W,3), labels (N,)), got {images.shape} {images.dtype} and {len(labels)} labels")
         self.save_hyperparameters(ignore=["train_arrays", "val_arrays"])
         self.train_dir, self.val_dir = train_dir, val_dir
-        self.train_arrays, self.val_arrays = train_arrays, val_arrays
+        # DALI takes densely packed arrays only: a transposed or sliced view is copied once here.
+        self.train_arrays, self.val_arrays = (
+            None if arrays is None else (np.ascontiguousarray(arrays[0]), np.asarray(arrays[1])) for arrays in (train_arrays, val_arrays)
+        )
         self.use_gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
         self.classes: list[str] = []
         self._train_files: tuple[list[str], list[int]] | None = None
@@ -273,7 +294,9 @@ class DALIImageDataModule(LightningDataModule):
                 )
                 images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB)
             else:
-                images, labels = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64], layout=["HWC", ""])
+                images, labels = fn.external_source(
+                    source=source, num_outputs=2, batch=True, batch_info=True, dtype=[types.UINT8, types.INT64], layout=["HWC", ""],
+                )
                 images = images.gpu() if self.use_gpu else images
             if train:
                 images = fn.random_resized_crop(images, size=(hp.image_size, hp.image_size), random_area=list(hp.scale), device=aug_device)
@@ -293,24 +316,26 @@ class DALIImageDataModule(LightningDataModule):
             )
             return images, labels.gpu() if self.use_gpu else labels
 
-        pipe = pipeline(
-            batch_size=hp.batch_size, num_threads=hp.num_threads, device_id=self._device_id(),
-            seed=hp.seed + 1000 * shard_id + (0 if train else 1),  # augmentation differs per rank
-            prefetch_queue_depth=2,
-        )
         policy = hp.last_batch if train else "partial"
-        try:
-            pipe.build()
-            # Constructing the iterator already runs the pipeline (prefetch), so decode errors show here too.
-            iterator = DALIGenericIterator(
-                pipe, ["images", "labels"], reader_name=_READER if source is None else None,
-                last_batch_policy=_POLICIES[policy] if source is None else LastBatchPolicy.PARTIAL,
-                auto_reset=True,
+
+        def build(checkpoint: str | None) -> DALIGenericIterator:
+            pipe = pipeline(
+                batch_size=hp.batch_size, num_threads=hp.num_threads, device_id=self._device_id(),
+                seed=hp.seed + 1000 * shard_id + (0 if train else 1),  # augmentation differs per rank
+                prefetch_queue_depth=2, enable_checkpointing=train, checkpoint=checkpoint,
             )
-        except RuntimeError as err:
-            raise explain_dali_error(err, source_name) from err
-        length = len(iterator) if source is None else source.num_batches()
-        return DALILoader(iterator, length, as_dict=hp.as_dict, source=source_name)
+            try:
+                pipe.build()
+                # Constructing the iterator already runs the pipeline (prefetch), so decode errors show here too.
+                return DALIGenericIterator(
+                    pipe, ["images", "labels"], reader_name=_READER if source is None else None,
+                    last_batch_policy=_POLICIES[policy] if source is None else LastBatchPolicy.PARTIAL,
+                    auto_reset=True,
+                )
+            except RuntimeError as err:
+                raise explain_dali_error(err, source_name) from err
+
+        return DALILoader(build, as_dict=hp.as_dict, source=source_name, shard_id=shard_id, length=None if source is None else source.num_batches())
 
     def train_dataloader(self) -> DALILoader:
         return self._loader(train=True)

@@ -9,9 +9,11 @@ as-is under DDP and calls ``set_epoch`` on it) that can skip the samples already
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -23,8 +25,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 class ResumableSampler(DistributedSampler):
     """Seeded, rank-sharded sampler that can skip the first ``n`` samples of its next epoch.
 
-    Works in a single process too (``num_replicas`` and ``rank`` default to the initialised process
-    group, else 1 and 0). The order depends only on ``seed`` and the epoch, never on global RNG state.
+    Works in a single process too: ``num_replicas`` and ``rank`` default to the process group's, read
+    when an epoch starts (so a loader built before ``Trainer.fit`` shards right), else 1 and 0. The order depends only on ``seed`` and the epoch, never on global RNG state.
     """
 
     def __init__(
@@ -36,19 +38,35 @@ class ResumableSampler(DistributedSampler):
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
-        initialised = dist.is_available() and dist.is_initialized()
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if initialised else 1
-        if rank is None:
-            rank = dist.get_rank() if initialised else 0
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        # Loaders are often built before Trainer.fit creates the process group: without an explicit
+        # num_replicas/rank, they are read from the process group each time an epoch starts.
+        self._from_process_group = num_replicas is None and rank is None
+        super().__init__(dataset, num_replicas=num_replicas or 1, rank=rank or 0, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self._skip = 0
+        self._follow_process_group()
+
+    def _follow_process_group(self) -> None:
+        if not (self._from_process_group and dist.is_available() and dist.is_initialized()):
+            return
+        replicas, rank = dist.get_world_size(), dist.get_rank()
+        if (replicas, rank) == (self.num_replicas, self.rank):
+            return
+        self.num_replicas, self.rank = replicas, rank
+        n = len(self.dataset)  # type: ignore[arg-type]
+        # DistributedSampler's own sizing, redone for the new world size.
+        self.num_samples = math.ceil((n - replicas) / replicas) if self.drop_last and n % replicas else math.ceil(n / replicas)
+        self.total_size = self.num_samples * replicas
+
+    def __len__(self) -> int:
+        self._follow_process_group()
+        return super().__len__()
 
     def skip_next_epoch_start(self, num_samples: int) -> None:
         """Make the next ``__iter__`` start ``num_samples`` into this rank's order."""
         self._skip = num_samples
 
     def __iter__(self) -> Iterator[int]:
+        self._follow_process_group()
         indices = list(super().__iter__())
         skip, self._skip = self._skip, 0
         return iter(indices[skip:])
@@ -84,7 +102,12 @@ class ResumableDataLoader(DataLoader):
                 f"ResumableDataLoader needs a ResumableSampler, got {type(sampler).__name__}; "
                 "pass shuffle/seed instead of a sampler"
             )
+        # Without a generator of its own, every new iterator draws its workers' base seed from the global
+        # torch RNG; seeding one per epoch keeps the global RNG untouched, so an epoch-end resume sees
+        # the same global RNG stream as the uninterrupted run.
+        self._seed_generator = kwargs.get("generator") is None
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+        self._seed = seed
         self._yielded = 0
         self._exhausted = False
         self._resume_at = 0
@@ -94,6 +117,8 @@ class ResumableDataLoader(DataLoader):
         if start:
             self.sampler.skip_next_epoch_start(start * self.batch_size)
         self._yielded, self._exhausted = start, False
+        if self._seed_generator:
+            self.generator = torch.Generator().manual_seed(self._seed * 100_003 + int(self.sampler.epoch))
         return self._count(super().__iter__())
 
     def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -108,7 +133,8 @@ class ResumableDataLoader(DataLoader):
         After the last batch of an epoch this points at the start of the next one.
         """
         epoch = int(self.sampler.epoch)
-        if self._exhausted:
+        # At the epoch's last batch the iterator has not raised StopIteration yet, but nothing is left.
+        if self._exhausted or self._yielded >= len(self):
             return {"epoch": epoch + 1, "batches_consumed": 0}
         return {"epoch": epoch, "batches_consumed": self._yielded}
 

@@ -36,8 +36,6 @@ class Progress(Callback):
             tmp = Path(self.path + ".tmp")
             tmp.write_text(str(trainer.global_step))
             os.replace(tmp, self.path)
-        if os.environ.get("TRAIN_DEBUG"):
-            print("DBG", trainer.global_step, batch[0][:, 0].tolist(), float(outputs["loss"]), torch.rand(1).item(), flush=True)
         time.sleep(self.delay_s)
 
 
@@ -51,13 +49,14 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=46)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--every-n-steps", type=int)
     args = p.parse_args()
 
     torch.set_num_threads(1)
     seed_everything(1234)
     model = GPTWithScheduler(vocab_size=32, seq_len=16, d_model=32, n_layers=2, n_heads=2, dropout=0.1)
     dm = SyntheticTokenDataModule(num_samples=160, val_samples=16, seq_len=16, vocab_size=32, batch_size=8, seed=5)
-    ckpt = PreemptionCheckpoint(args.ckpt_dir, keep_last=2, async_save=args.async_save)
+    ckpt = PreemptionCheckpoint(args.ckpt_dir, keep_last=2, async_save=args.async_save, every_n_steps=args.every_n_steps)
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
