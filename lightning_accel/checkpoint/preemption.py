@@ -290,7 +290,8 @@ class PreemptionCheckpoint(Callback):
             _set_rng_state(states[trainer.global_rank] if trainer.global_rank < len(states) else states[0])
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._stash_rng_for_validation()
+        if trainer.enable_validation:  # off the hot path of runs without validation
+            self._stash_rng_for_validation()
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AsyncAtomicCheckpointIO):
             io.raise_if_failed()  # a failed background write (a full disk) stops training now
