@@ -236,11 +236,6 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accel-ckpt")
         self._pending = self._executor.submit(super().save_checkpoint, snapshot, path, storage_options)
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether a write is still running."""
-        return self._pending is not None and not self._pending.done()
-
     def raise_if_failed(self) -> None:
         """Raise the error of a finished write, if it failed (non-blocking)."""
         if self._pending is not None and self._pending.done():

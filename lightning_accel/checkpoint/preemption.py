@@ -61,13 +61,9 @@ def _rng_state() -> _RNG:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
     state: _RNG = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if (cuda := _cuda_rng_state()) is not None:
-        state["cuda"] = cuda
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def _cuda_rng_state() -> list[torch.Tensor] | None:
-    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 def _set_rng_state(state: _RNG) -> None:
@@ -145,7 +141,7 @@ class PreemptionCheckpoint(Callback):
         self._last_save = time.monotonic()
         self._step_at_batch_start = 0
         self._pending_rng: list[_RNG] | None = None
-        self._validation_rng: tuple[Any, ...] | None = None
+        self._validation_rng: _RNG | None = None
         self._deferred = False  # a save that fell on an epoch's last batch, done at the next step
         self._verified: dict[tuple[str, int, int], bool] = {}
 
@@ -270,16 +266,11 @@ class PreemptionCheckpoint(Callback):
     # the validation loader's iterator (created before on_validation_start) and validation_step draw
     # from it. Taken at every batch end, since whether validation follows is Lightning's private decision.
     def _stash_rng_for_validation(self) -> None:
-        self._validation_rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(), _cuda_rng_state())
+        self._validation_rng = _rng_state()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and self._validation_rng is not None:
-            python, numpy_state, torch_state, cuda = self._validation_rng
-            random.setstate(python)
-            np.random.set_state(numpy_state)
-            torch.set_rng_state(torch_state)
-            if cuda is not None:
-                torch.cuda.set_rng_state_all(cuda)
+            _set_rng_state(self._validation_rng)
 
     # -- saving -------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
