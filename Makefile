@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 RECIPE ?= recipes/tiny_gpt_cpu.yaml
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo lint test test-fast bench clean
 
 # torch==2.13.0 first: it is the CPU build lying on this disk; a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -17,14 +17,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/lightning-accel fit --config $(RECIPE)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not multiprocess"
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python -m benchmarks.run_all
 
 clean:
 	rm -rf $(VENV) lightning_logs runs checkpoints

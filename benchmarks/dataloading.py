@@ -3,14 +3,13 @@
 Both decode JPEGs, random-resized-crop, flip and normalize to CHW float32; images/s is measured over
 full epochs, side by side in one run. ``--gpu`` adds DALI's ``mixed`` (nvJPEG) decode on the GPU.
 
-    python benchmarks/dataloading.py [--images 384] [--workers 2] [--gpu]
+    python -m benchmarks.dataloading [--images 384] [--workers 2] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,11 +19,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS, write  # noqa: E402
-
-from lightning_accel.data import DALIImageDataModule  # noqa: E402
-from lightning_accel.data.dali import IMAGENET_MEAN, IMAGENET_STD, scan_image_folder  # noqa: E402
+from benchmarks.harness import RESULTS, write
+from lightning_accel.data import DALIImageDataModule
+from lightning_accel.data.dali import IMAGENET_MEAN, IMAGENET_STD, scan_image_folder
 
 
 def make_images(root: Path, count: int, size: int = 256) -> None:
@@ -75,21 +72,39 @@ def images_per_sec(loader, epochs: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def run(images: int = 384, workers: int = 2, batch: int = 32, out: int = 128, epochs: int = 2, gpu: bool = False) -> dict:
+def run(
+    images: int = 384, workers: int = 2, batch: int = 32, out: int = 128, epochs: int = 2, gpu: bool = False
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_images(root, images)
-        torch_loader = DataLoader(TorchAugmented(root, out), batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=workers > 0)
+        torch_loader = DataLoader(
+            TorchAugmented(root, out),
+            batch_size=batch,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
         rows = {f"torch DataLoader ({workers} workers)": images_per_sec(torch_loader, epochs)}
-        dali = DALIImageDataModule(train_dir=str(root), batch_size=batch, image_size=out, num_threads=workers, device="cpu")
+        dali = DALIImageDataModule(
+            train_dir=str(root), batch_size=batch, image_size=out, num_threads=workers, device="cpu"
+        )
         dali.setup("fit")
         rows[f"DALI cpu ({workers} threads)"] = images_per_sec(dali.train_dataloader(), epochs)
         if gpu:
-            dali_gpu = DALIImageDataModule(train_dir=str(root), batch_size=batch, image_size=out, num_threads=workers, device="gpu")
+            dali_gpu = DALIImageDataModule(
+                train_dir=str(root), batch_size=batch, image_size=out, num_threads=workers, device="gpu"
+            )
             dali_gpu.setup("fit")
             rows["DALI gpu (mixed decode)"] = images_per_sec(dali_gpu.train_dataloader(), epochs)
     base = next(iter(rows.values()))
-    return {"images_per_sec": rows, "ratio_vs_torch": {k: v / base for k, v in rows.items()}, "images": images, "batch": batch, "out_size": out}
+    return {
+        "images_per_sec": rows,
+        "ratio_vs_torch": {k: v / base for k, v in rows.items()},
+        "images": images,
+        "batch": batch,
+        "out_size": out,
+    }
 
 
 def main() -> None:

@@ -51,17 +51,17 @@ step() {  # step NAME SECONDS command...: each section is bounded and never stop
 }
 
 # 1. fp32 eager vs bf16-mixed vs compiled on the tiny-GPT recipe's model (steps/s, MFU)
-step precision_compile 150 $PY benchmarks/precision_compile.py --gpu --steps 60 --out "$RES"
+step precision_compile 150 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
 step gpu_tests 90 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_monitor.py \
   "tests/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/test_data_dali.py::test_gpu_mixed_decode"
 # 3. single-GPU strategies: plain vs accel_zero2 vs accel_fsdp
-step strategies 110 $PY benchmarks/strategies_gpu.py --steps 40 --out "$RES"
+step strategies 110 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
 # 4. checkpoint stall, sync vs async, 100M parameters (a 400 MB file: plain SGD keeps no state) from GPU memory
-step checkpoint 60 $PY benchmarks/checkpoint_async.py --gpu --params-m 100 --saves 3 --out "$RES"
+step checkpoint 60 $PY -m benchmarks.checkpoint_async --gpu --params-m 100 --saves 3 --out "$RES"
 # 5. DALI mixed decode vs CPU backend vs torch DataLoader (only where DALI is installed)
 if $PY -c "import nvidia.dali" 2>/dev/null; then
-  step dataloading 50 $PY benchmarks/dataloading.py --gpu --images 512 --workers 8 --out "$RES"
+  step dataloading 50 $PY -m benchmarks.dataloading --gpu --images 512 --workers 8 --out "$RES"
 else
   echo "dataloading skipped: nvidia-dali-cuda120 is not installed on this machine" | tee -a "$RES/status.txt"
 fi

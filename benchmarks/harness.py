@@ -11,21 +11,24 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 
+from lightning_accel.testing import quiet_trainer_kwargs
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def environment() -> dict[str, Any]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"torch": torch.__version__, "device": device, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    return {
+        "torch": torch.__version__,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 
 def quiet_trainer(**kwargs: Any) -> Trainer:
     """A Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
-    defaults = dict(
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0,
-    )
-    return Trainer(**{**defaults, **kwargs})
+    return Trainer(**quiet_trainer_kwargs(**kwargs))
 
 
 def write(name: str, result: dict[str, Any], values: dict[str, float], ylabel: str, out: Path = RESULTS) -> Path:

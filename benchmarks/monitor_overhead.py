@@ -6,26 +6,22 @@ step (from step 20 to the last, clocked by the same tiny callback in both runs);
 below 1.01. Medians are reported beside it. The whole-fit ratio, which also counts
 one-time costs (the FLOP-counting batch, psutil/NVML setup), is reported beside it.
 
-    python benchmarks/monitor_overhead.py [--steps 200] [--rounds 7]
+    python -m benchmarks.monitor_overhead [--steps 200] [--rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from lightning.pytorch import Callback, seed_everything
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS, quiet_trainer, write  # noqa: E402
-
-from lightning_accel import ThroughputCallback, UtilizationMonitor  # noqa: E402
-from lightning_accel.data import SyntheticTokenDataModule  # noqa: E402
-from lightning_accel.models import TinyGPT  # noqa: E402
-
+from benchmarks.harness import RESULTS, quiet_trainer, write
+from lightning_accel import ThroughputCallback, UtilizationMonitor
+from lightning_accel.data import SyntheticTokenDataModule
+from lightning_accel.models import TinyGPT
 
 WARM = 20
 
@@ -45,9 +41,13 @@ def fit_seconds(monitored: bool, steps: int) -> tuple[float, float]:
     model = TinyGPT(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=4)
     dm = SyntheticTokenDataModule(num_samples=16 * steps, batch_size=16)
     clock = Clock()
-    callbacks = [clock] + ([ThroughputCallback(summary=False), UtilizationMonitor(interval_s=1.0, summary=False)] if monitored else [])
+    callbacks = [clock] + (
+        [ThroughputCallback(summary=False), UtilizationMonitor(interval_s=1.0, summary=False)] if monitored else []
+    )
     trainer = quiet_trainer(
-        accelerator="cpu", max_steps=steps, callbacks=callbacks,
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=callbacks,
     )
     start = time.perf_counter()
     trainer.fit(model, datamodule=dm)
@@ -69,10 +69,16 @@ def run(steps: int = 200, rounds: int = 7) -> dict:
     median_ms = {k: 1000 * statistics.median(v) for k, v in per_step.items()}
     fit_s = {k: min(v) for k, v in fit.items()}
     return {
-        "best_step_ms": best_ms, "median_step_ms": median_ms, "best_fit_seconds": fit_s,
-        "ratio": best_ms["monitored"] / best_ms["none"], "median_ratio": median_ms["monitored"] / median_ms["none"],
-        "fit_ratio": fit_s["monitored"] / fit_s["none"], "fit_seconds": fit, "step_seconds": per_step,
-        "steps": steps, "target": 1.01,
+        "best_step_ms": best_ms,
+        "median_step_ms": median_ms,
+        "best_fit_seconds": fit_s,
+        "ratio": best_ms["monitored"] / best_ms["none"],
+        "median_ratio": median_ms["monitored"] / median_ms["none"],
+        "fit_ratio": fit_s["monitored"] / fit_s["none"],
+        "fit_seconds": fit,
+        "step_seconds": per_step,
+        "steps": steps,
+        "target": 1.01,
     }
 
 
@@ -84,7 +90,10 @@ def main() -> None:
     args = p.parse_args()
     result = run(args.steps, args.rounds)
     write("monitor_overhead", result, result["best_step_ms"], "best ms per step (steady state)", out=args.out)
-    print(f"per step: monitored / none = {result['ratio']:.4f} (target < {result['target']}; median {result['median_ratio']:.4f}); whole fit: {result['fit_ratio']:.4f}")
+    print(
+        f"per step: monitored / none = {result['ratio']:.4f} (target < {result['target']}; "
+        f"median {result['median_ratio']:.4f}); whole fit: {result['fit_ratio']:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,24 +1,21 @@
 """Eager fp32 vs bf16-mixed vs torch.compile on the tiny GPT, measured side by side in one run.
 
-    python benchmarks/precision_compile.py [--steps 60] [--gpu]
+python -m benchmarks.precision_compile [--steps 60] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from lightning.pytorch import seed_everything
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS, quiet_trainer, write  # noqa: E402
-
-from lightning_accel import CompileCallback, ThroughputCallback  # noqa: E402
-from lightning_accel.data import SyntheticTokenDataModule  # noqa: E402
-from lightning_accel.models import TinyGPT  # noqa: E402
+from benchmarks.harness import RESULTS, quiet_trainer, write
+from lightning_accel import CompileCallback, ThroughputCallback
+from lightning_accel.data import SyntheticTokenDataModule
+from lightning_accel.models import TinyGPT
 
 CONFIGS = {
     "fp32 eager": ("32-true", False),
@@ -30,21 +27,37 @@ CONFIGS = {
 
 def measure(precision: str, compiled: bool, steps: int, gpu: bool, size: dict) -> dict[str, float]:
     seed_everything(0)
-    model = TinyGPT(vocab_size=size["vocab"], seq_len=size["seq"], d_model=size["d"], n_layers=size["layers"], n_heads=size["heads"])
-    dm = SyntheticTokenDataModule(num_samples=size["batch"] * (steps + 2), seq_len=size["seq"], vocab_size=size["vocab"], batch_size=size["batch"])
+    model = TinyGPT(
+        vocab_size=size["vocab"], seq_len=size["seq"], d_model=size["d"], n_layers=size["layers"], n_heads=size["heads"]
+    )
+    dm = SyntheticTokenDataModule(
+        num_samples=size["batch"] * (steps + 2), seq_len=size["seq"], vocab_size=size["vocab"], batch_size=size["batch"]
+    )
     monitor = ThroughputCallback(warmup_steps=min(10, steps // 3), summary=False, log_every_n_steps=10**9)
     callbacks = [monitor] + ([CompileCallback()] if compiled else [])
     trainer = quiet_trainer(
-        accelerator="gpu" if gpu else "cpu", devices=1, precision=precision, max_steps=steps, callbacks=callbacks,
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        precision=precision,
+        max_steps=steps,
+        callbacks=callbacks,
     )
     trainer.fit(model, datamodule=dm)
     r = monitor.results
-    return {"steps_per_sec": 1000.0 / r["throughput/step_time_ms"], "tokens_per_sec": r["throughput/tokens_per_sec"], "mfu": r.get("throughput/mfu", 0.0)}
+    return {
+        "steps_per_sec": 1000.0 / r["throughput/step_time_ms"],
+        "tokens_per_sec": r["throughput/tokens_per_sec"],
+        "mfu": r.get("throughput/mfu", 0.0),
+    }
 
 
 def run(steps: int = 60, gpu: bool = False, after_each: Callable[[dict], None] | None = None) -> dict:
     """Measure every config in turn; ``after_each`` gets the result so far (a GPU run saves it each time)."""
-    size = dict(vocab=8192, seq=512, d=512, layers=8, heads=8, batch=32) if gpu else dict(vocab=256, seq=64, d=128, layers=2, heads=4, batch=16)
+    size = (
+        dict(vocab=8192, seq=512, d=512, layers=8, heads=8, batch=32)
+        if gpu
+        else dict(vocab=256, seq=64, d=128, layers=2, heads=4, batch=16)
+    )
     result: dict = {"rows": {}, "ratios_vs_fp32_eager": {}, "steps": steps, "model": size}
     for name, (precision, compiled) in CONFIGS.items():
         result["rows"][name] = row = measure(precision, compiled, steps, gpu, size)

@@ -1,6 +1,6 @@
 """Run every benchmark on this machine and print one table of ratios measured side by side.
 
-    python benchmarks/run_all.py [--quick]      # or: make bench
+    python -m benchmarks.run_all [--quick]      # or: make bench
 
 Writes benchmarks/results/<name>.json and <name>.png for each, plus summary.json.
 """
@@ -10,19 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
-from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkpoint_async  # noqa: E402
-import dataloading  # noqa: E402
-import monitor_overhead  # noqa: E402
-import precision_compile  # noqa: E402
-from harness import RESULTS, environment, write  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from benchmarks import checkpoint_async, dataloading, monitor_overhead, precision_compile
+from benchmarks.harness import RESULTS, environment, write
 
 
 def main() -> None:
@@ -36,11 +30,19 @@ def main() -> None:
 
     r = precision_compile.run(steps=30 if q else 80)
     write("precision_compile", r, r["ratios_vs_fp32_eager"], "steps/s ratio vs fp32 eager")
-    headline += [("precision_compile", f"{k} / fp32 eager (steps/s)", v) for k, v in r["ratios_vs_fp32_eager"].items() if k != "fp32 eager"]
+    headline += [
+        ("precision_compile", f"{k} / fp32 eager (steps/s)", v)
+        for k, v in r["ratios_vs_fp32_eager"].items()
+        if k != "fp32 eager"
+    ]
 
     r = dataloading.run(images=128 if q else 384)
     write("dataloading", r, r["images_per_sec"], "images/s")
-    headline += [("dataloading", f"{k} / torch DataLoader (images/s)", v) for k, v in r["ratio_vs_torch"].items() if not k.startswith("torch")]
+    headline += [
+        ("dataloading", f"{k} / torch DataLoader (images/s)", v)
+        for k, v in r["ratio_vs_torch"].items()
+        if not k.startswith("torch")
+    ]
 
     r = monitor_overhead.run(steps=60 if q else 200, rounds=3 if q else 7)
     write("monitor_overhead", r, r["best_step_ms"], "best ms per step (steady state)")
@@ -52,7 +54,16 @@ def main() -> None:
     write("checkpoint_async", r, r["median_stall_seconds"], "median stall per checkpoint (s)")
     headline.append(("checkpoint_async", "sync stall / async stall per checkpoint", r["ratio_sync_over_async"]))
 
-    (RESULTS / "summary.json").write_text(json.dumps({"environment": environment(), "quick": q, "ratios": [{"benchmark": b, "ratio": n, "value": v} for b, n, v in headline]}, indent=2))
+    (RESULTS / "summary.json").write_text(
+        json.dumps(
+            {
+                "environment": environment(),
+                "quick": q,
+                "ratios": [{"benchmark": b, "ratio": n, "value": v} for b, n, v in headline],
+            },
+            indent=2,
+        )
+    )
     table = Table(title=f"lightning-accel benchmarks ({environment()['device']}, torch {torch.__version__})")
     for col in ("benchmark", "ratio", "value"):
         table.add_column(col, justify="right" if col == "value" else "left")

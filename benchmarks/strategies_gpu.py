@@ -3,7 +3,7 @@
 One GPU shows that the presets run and what their bookkeeping costs; the sharding itself pays off
 only across several GPUs.
 
-    python benchmarks/strategies_gpu.py [--steps 60] [--out DIR]
+    python -m benchmarks.strategies_gpu [--steps 60] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,26 +16,35 @@ from pathlib import Path
 import torch
 from lightning.pytorch import seed_everything
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS, quiet_trainer, write  # noqa: E402
-
-import lightning_accel  # noqa: E402, F401
-from lightning_accel import ThroughputCallback  # noqa: E402
-from lightning_accel.data import SyntheticTokenDataModule  # noqa: E402
-from lightning_accel.models import TinyGPT  # noqa: E402
+import lightning_accel  # noqa: F401
+from benchmarks.harness import RESULTS, quiet_trainer, write
+from lightning_accel import ThroughputCallback
+from lightning_accel.data import SyntheticTokenDataModule
+from lightning_accel.models import TinyGPT
 
 
 def measure(strategy: str, steps: int) -> dict[str, float]:
     seed_everything(0)
     model = TinyGPT(vocab_size=8192, seq_len=512, d_model=512, n_layers=8, n_heads=8)
-    dm = SyntheticTokenDataModule(num_samples=32 * (steps + 2), seq_len=512, vocab_size=8192, batch_size=32, num_workers=2)
+    dm = SyntheticTokenDataModule(
+        num_samples=32 * (steps + 2), seq_len=512, vocab_size=8192, batch_size=32, num_workers=2
+    )
     monitor = ThroughputCallback(warmup_steps=10, summary=False, log_every_n_steps=10**9)
     trainer = quiet_trainer(
-        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=steps, callbacks=[monitor],
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=steps,
+        callbacks=[monitor],
     )
     trainer.fit(model, datamodule=dm)
     r = monitor.results
-    return {"steps_per_sec": 1000.0 / r["throughput/step_time_ms"], "mfu": r.get("throughput/mfu", 0.0), "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {
+        "steps_per_sec": 1000.0 / r["throughput/step_time_ms"],
+        "mfu": r.get("throughput/mfu", 0.0),
+        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def main() -> None:

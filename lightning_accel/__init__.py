@@ -1,8 +1,7 @@
 """lightning-accel: make any LightningModule train fast and survive interruptions.
 
 Importing the package registers the strategy presets (``accel_ddp``, ``accel_zero2`` ...) in
-Lightning's ``StrategyRegistry``, and an exit hook that closes a gloo process group Lightning left
-open (see ``lightning_accel/strategies/process_group.py``).
+Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/architecture.md).
 """
 
 from lightning_accel.checkpoint import AtomicCheckpointIO, Preempted, PreemptionCheckpoint, find_resume_checkpoint
@@ -13,7 +12,6 @@ from lightning_accel.precision import auto_precision, choose_precision
 from lightning_accel.strategies import PRESETS, close_gloo_process_group_at_exit, register_presets
 
 register_presets()
-close_gloo_process_group_at_exit()
 
 __version__ = "0.1.0"
 __all__ = [
@@ -29,6 +27,7 @@ __all__ = [
     "UtilizationMonitor",
     "auto_precision",
     "choose_precision",
+    "close_gloo_process_group_at_exit",
     "find_resume_checkpoint",
     "register_presets",
 ]

@@ -1,7 +1,7 @@
 """``lightning-accel`` command line: LightningCLI with our recipes, ``precision: auto-mixed`` and ``ckpt_path: auto``.
 
-    lightning-accel fit --config recipes/tiny_gpt_cpu.yaml
-    lightning-accel fit --config recipes/tiny_gpt_cpu.yaml --trainer.max_steps 50 --ckpt_path auto
+lightning-accel fit --config recipes/tiny_gpt_cpu.yaml
+lightning-accel fit --config recipes/tiny_gpt_cpu.yaml --trainer.max_steps 50 --ckpt_path auto
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import logging
 import sys
 from typing import Any, Literal
 
-from lightning.fabric.connector import _PRECISION_INPUT
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_accel  # noqa: F401  (registers the strategy presets)
+from lightning_accel._compat import PrecisionInput
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.precision import auto_precision
-from lightning_accel.strategies import check_strategy_name
+from lightning_accel.strategies import check_strategy_name, close_gloo_process_group_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class AccelTrainer(Trainer):
     """
 
     def __init__(
-        self, *args: Any, precision: _PRECISION_INPUT | Literal["auto-mixed"] | None = None, **kwargs: Any
+        self, *args: Any, precision: PrecisionInput | Literal["auto-mixed"] | None = None, **kwargs: Any
     ) -> None:
         if precision is not None:  # "auto-mixed" is resolved; an explicit choice is checked against the hardware
             precision = auto_precision(precision, accelerator=str(kwargs.get("accelerator", "auto")))
@@ -77,6 +77,7 @@ def build_cli(args: list[str] | None = None) -> AccelCLI:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    close_gloo_process_group_at_exit()  # our program: safe for stock strategies on gloo too
     build_cli(args)
 
 

@@ -42,7 +42,11 @@ class _CompiledForward:
         finally:
             self.first_call = False
         self.owner.compile_time_s[self.name] = time.perf_counter() - start
-        log.info("compiled %r in %.2fs (first call, includes the compiled run)", self.name, self.owner.compile_time_s[self.name])
+        log.info(
+            "compiled %r in %.2fs (first call, includes the compiled run)",
+            self.name,
+            self.owner.compile_time_s[self.name],
+        )
         return out
 
 
@@ -79,13 +83,20 @@ class CompileCallback(Callback):
         fallback: bool = True,
     ) -> None:
         self.modules = list(modules) if modules is not None else None
-        self.compile_kwargs: dict[str, Any] = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
+        self.compile_kwargs: dict[str, Any] = {
+            "mode": mode,
+            "fullgraph": fullgraph,
+            "dynamic": dynamic,
+            "backend": backend,
+        }
         self.fallback = fallback
         self.compile_time_s: dict[str, float] = {}
         self.failed: dict[str, str] = {}
         self._patched: list[nn.Module] = []
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: Literal["fit", "validate", "test", "predict"]) -> None:
+    def setup(
+        self, trainer: Trainer, pl_module: LightningModule, stage: Literal["fit", "validate", "test", "predict"]
+    ) -> None:
         if self._patched:  # setup runs again for every trainer.fit/validate call
             return
         for name in self.modules or [""]:

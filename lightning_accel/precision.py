@@ -15,21 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_accel._compat import PRECISION_ALIASES, PRECISION_STRINGS
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto-mixed"
-# Lightning's accepted precision strings, plus our "auto-mixed" request.
-LIGHTNING_PRECISIONS = (
-    "transformer-engine",
-    "transformer-engine-float16",
-    "16-true",
-    "16-mixed",
-    "bf16-true",
-    "bf16-mixed",
-    "32-true",
-    "64-true",
-)
-_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 
 
 @dataclass(frozen=True)
@@ -82,17 +72,17 @@ def choose_precision(
         ValueError: unknown precision, or one this hardware cannot run (the message names the fix).
     """
     caps = caps or DeviceCapabilities.detect()
-    req = AUTO if requested is None else _ALIASES.get(str(requested), str(requested))
+    req = AUTO if requested is None else PRECISION_ALIASES.get(str(requested), str(requested))
     if req == AUTO:
         if allow_fp8 and caps.fp8:
-            return PrecisionChoice("transformer-engine", f"{caps.name} supports fp8 and Transformer Engine is installed")
+            return PrecisionChoice(
+                "transformer-engine", f"{caps.name} supports fp8 and Transformer Engine is installed"
+            )
         if caps.bf16:
             return PrecisionChoice("bf16-mixed", f"{caps.name} supports bf16: no loss scaling needed")
         return PrecisionChoice("16-mixed", f"{caps.name} lacks bf16: fp16 autocast with dynamic loss scaling")
-    if req not in LIGHTNING_PRECISIONS:
-        raise ValueError(
-            f"Unknown precision {requested!r}. Use {AUTO!r} or one of: {', '.join(LIGHTNING_PRECISIONS)}"
-        )
+    if req not in PRECISION_STRINGS:
+        raise ValueError(f"Unknown precision {requested!r}. Use {AUTO!r} or one of: {', '.join(PRECISION_STRINGS)}")
     if req.startswith("bf16") and not caps.bf16:
         raise ValueError(f"precision={requested!r} needs bf16, which {caps.name} lacks; use '16-mixed' or {AUTO!r}")
     if req.startswith("transformer-engine") and not caps.fp8:

@@ -21,9 +21,9 @@ from lightning_accel.checkpoint import (
     PreemptionCheckpoint,
     atomic_save,
     find_resume_checkpoint,
+    preemption,
     verify,
 )
-from lightning_accel.checkpoint import preemption
 from lightning_accel.data import SyntheticClassificationDataModule
 from lightning_accel.models import MLPClassifier
 
@@ -34,11 +34,15 @@ SCRIPT = ROOT / "tests/scripts/train_resumable.py"
 
 
 def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
 
 
 def start_script(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def wait_for_step(progress: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -62,7 +66,9 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("devices", "async_save"), [(1, False), (1, True), (2, False)], ids=["1proc", "1proc-async", "ddp2"])
+@pytest.mark.parametrize(
+    ("devices", "async_save"), [(1, False), (1, True), (2, False)], ids=["1proc", "1proc-async", "ddp2"]
+)
 def test_sigterm_mid_epoch_then_resume_is_bitwise_equal(tmp_path, devices, async_save):
     common = ["--devices", str(devices)] + (["--async-save"] if async_save else [])
     ref = run_script("--ckpt-dir", str(tmp_path / "ref_ckpts"), "--out", str(tmp_path / "ref.pt"), *common)
@@ -71,7 +77,17 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_equal(tmp_path, devices, async
     progress = tmp_path / "progress"
     ckpts = tmp_path / "ckpts"
     # 20 batches per epoch: step 27 is mid-way through the second epoch
-    proc = start_script("--ckpt-dir", str(ckpts), "--out", str(tmp_path / "run.pt"), "--progress", str(progress), "--step-delay", "0.15", *common)
+    proc = start_script(
+        "--ckpt-dir",
+        str(ckpts),
+        "--out",
+        str(tmp_path / "run.pt"),
+        "--progress",
+        str(progress),
+        "--step-delay",
+        "0.15",
+        *common,
+    )
     wait_for_step(progress, 27, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=240)
@@ -99,8 +115,18 @@ def test_kill_9_at_random_moments_then_resume_is_bitwise_equal(tmp_path):
     reached = 0
     for _ in range(3):
         proc = start_script(
-            "--ckpt-dir", str(ckpts), "--out", str(tmp_path / "run.pt"), "--progress", str(progress),
-            "--step-delay", "0.05", "--every-n-steps", "2", "--async-save", "--resume",
+            "--ckpt-dir",
+            str(ckpts),
+            "--out",
+            str(tmp_path / "run.pt"),
+            "--progress",
+            str(progress),
+            "--step-delay",
+            "0.05",
+            "--every-n-steps",
+            "2",
+            "--async-save",
+            "--resume",
         )
         wait_for_step(progress, reached + 3, proc)
         time.sleep(rng.uniform(0.0, 0.4))
@@ -110,7 +136,9 @@ def test_kill_9_at_random_moments_then_resume_is_bitwise_equal(tmp_path):
         newest = find_resume_checkpoint(ckpts)
         assert newest is not None and verify(newest)  # a valid checkpoint always remains
         reached = int(Path(newest).stem.split("=")[1])
-    resumed = run_script("--ckpt-dir", str(ckpts), "--out", str(tmp_path / "run.pt"), "--every-n-steps", "2", "--async-save", "--resume")
+    resumed = run_script(
+        "--ckpt-dir", str(ckpts), "--out", str(tmp_path / "run.pt"), "--every-n-steps", "2", "--async-save", "--resume"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(tmp_path / "ref.pt", tmp_path / "run.pt")
 
@@ -141,7 +169,11 @@ def test_kill_9_during_save_leaves_previous_checkpoint_intact(tmp_path):
 
 def test_truncated_and_corrupt_checkpoints_are_skipped(tmp_path):
     for step in (10, 20, 30):
-        atomic_save({"global_step": step, "w": torch.full((256,), float(step))}, tmp_path / f"step={step}.ckpt", {"global_step": step})
+        atomic_save(
+            {"global_step": step, "w": torch.full((256,), float(step))},
+            tmp_path / f"step={step}.ckpt",
+            {"global_step": step},
+        )
     newest = tmp_path / "step=30.ckpt"
     newest.write_bytes(newest.read_bytes()[:-100])  # truncated
     middle = tmp_path / "step=20.ckpt"
@@ -155,7 +187,7 @@ def test_truncated_and_corrupt_checkpoints_are_skipped(tmp_path):
     assert any("step=20.ckpt" in m and "SHA-256" in m for m in messages)
     assert verify(middle, checksum=False)  # the cheap check (used when pruning) sees size only
     assert "truncated" in verify(newest, checksum=False).reason
-    with pytest.raises(CorruptCheckpointError, match="step=20.ckpt is not usable: SHA-256"):
+    with pytest.raises(CorruptCheckpointError, match=r"step=20\.ckpt is not usable: SHA-256"):
         AtomicCheckpointIO().load_checkpoint(middle)
 
 
@@ -176,7 +208,7 @@ def test_trainer_refuses_corrupt_checkpoint_with_clear_error(tmp_path):
     ckpt = cb.saved[-1]
     ckpt.write_bytes(ckpt.read_bytes()[:-10])
     trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, callbacks=[PreemptionCheckpoint(tmp_path / "ck")]))
-    with pytest.raises(CorruptCheckpointError, match="step=00000002.ckpt is not usable"):
+    with pytest.raises(CorruptCheckpointError, match=r"step=00000002\.ckpt is not usable"):
         trainer.fit(MLPClassifier(input_dim=8), datamodule=dm, ckpt_path=str(ckpt))
 
 
@@ -189,7 +221,9 @@ def test_periodic_saves_keep_last_n_and_async_snapshots_are_point_in_time(tmp_pa
 
     cb = PreemptionCheckpoint(tmp_path / "ck", every_n_steps=3, keep_last=2, async_save=True)
     dm = SyntheticClassificationDataModule(num_samples=512, input_dim=8, batch_size=16)
-    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=12, callbacks=[cb, Snapshot()])).fit(MLPClassifier(input_dim=8), datamodule=dm)
+    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=12, callbacks=[cb, Snapshot()])).fit(
+        MLPClassifier(input_dim=8), datamodule=dm
+    )
     assert [p.name for p in cb.saved] == [f"step={s:08d}.ckpt" for s in (3, 6, 9, 12)]
     remaining = sorted(p.name for p in (tmp_path / "ck").glob("*.ckpt"))
     # keep_last=2 counts finished files only; writes still in flight are pruned at teardown
@@ -218,7 +252,9 @@ def test_time_based_save(tmp_path, monkeypatch):
     monkeypatch.setattr(preemption, "time", Clock)
     cb = PreemptionCheckpoint(tmp_path / "ck", every_n_seconds=0.1, keep_last=None)
     dm = SyntheticClassificationDataModule(num_samples=128, input_dim=8, batch_size=16)
-    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=8, callbacks=[Tick(), cb])).fit(MLPClassifier(input_dim=8), datamodule=dm)
+    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=8, callbacks=[Tick(), cb])).fit(
+        MLPClassifier(input_dim=8), datamodule=dm
+    )
     # 0.12 s since the last save at steps 2, 4, 6 and 8; 0.06 s is too soon at the odd steps
     assert [p.name for p in cb.saved] == [f"step={s:08d}.ckpt" for s in (2, 4, 6, 8)]
 
@@ -254,4 +290,8 @@ def test_prune_never_deletes_a_file_whose_manifest_is_not_written_yet(tmp_path):
         atomic_save({"global_step": step}, tmp_path / f"step={step:08d}.ckpt", {"global_step": step})
     torch.save({"global_step": 9}, tmp_path / "step=00000009.ckpt")  # renamed, manifest still pending
     cb._prune()
-    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=00000003.ckpt", "step=00000006.ckpt", "step=00000009.ckpt"]
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "step=00000003.ckpt",
+        "step=00000006.ckpt",
+        "step=00000009.ckpt",
+    ]

@@ -35,7 +35,14 @@ class Wide(LightningModule):
 
     def __init__(self, width: int = 600) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, width), nn.BatchNorm1d(width), nn.Dropout(0.2), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2))
+        self.net = nn.Sequential(
+            nn.Linear(8, width),
+            nn.BatchNorm1d(width),
+            nn.Dropout(0.2),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, 2),
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -47,7 +54,9 @@ class Wide(LightningModule):
 
 def loader(n: int = 256, **kwargs) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 2, (n,), generator=g)), batch_size=16, **kwargs)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 2, (n,), generator=g)), batch_size=16, **kwargs
+    )
 
 
 @pytest.fixture
@@ -55,7 +64,10 @@ def small_disk(tmp_path):
     """A 1 MB tmpfs: a real full disk (needs root, as on CI; skipped elsewhere)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root): the full-disk case is not exercised")
     yield mount
     subprocess.run(["umount", str(mount)], check=False)
@@ -83,7 +95,9 @@ def test_async_write_failure_stops_training_at_the_next_batch(small_disk, tmp_pa
 def _save_steps(folder: Path, steps, run_id: str = "run-a") -> None:
     for step in steps:
         path = folder / f"step={step:08d}.ckpt"
-        atomic_save({"global_step": step, "w": torch.full((64,), float(step))}, path, {"global_step": step, "run_id": run_id})
+        atomic_save(
+            {"global_step": step, "w": torch.full((64,), float(step))}, path, {"global_step": step, "run_id": run_id}
+        )
 
 
 def test_keep_last_never_deletes_good_files_because_of_a_corrupt_newest_one(tmp_path):
@@ -96,7 +110,11 @@ def test_keep_last_never_deletes_good_files_because_of_a_corrupt_newest_one(tmp_
     cb.run_id = "run-a"
     cb._prune()
     # 6 is corrupt, so the two valid newest are 4 and 2: nothing may be deleted
-    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=00000002.ckpt", "step=00000004.ckpt", "step=00000006.ckpt"]
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "step=00000002.ckpt",
+        "step=00000004.ckpt",
+        "step=00000006.ckpt",
+    ]
     assert find_resume_checkpoint(tmp_path) == str(tmp_path / "step=00000004.ckpt")
 
 
@@ -114,7 +132,9 @@ def test_missing_or_unreadable_manifest_is_ranked_by_name_and_warned(tmp_path):
     _save_steps(tmp_path, (5, 10, 15))
     manifest_path(tmp_path / "step=00000015.ckpt").unlink()
     manifest_path(tmp_path / "step=00000010.ckpt").write_text("{not json")
-    with pytest.warns(UserWarning, match=r"step=00000015.ckpt although it has no manifest; the zip container and its CRCs are intact"):
+    with pytest.warns(
+        UserWarning, match=r"step=00000015.ckpt although it has no manifest; the zip container and its CRCs are intact"
+    ):
         assert find_resume_checkpoint(tmp_path) == str(tmp_path / "step=00000015.ckpt")
     (tmp_path / "step=00000015.ckpt").unlink()
     with pytest.warns(UserWarning, match="unreadable manifest"):
@@ -166,8 +186,10 @@ def test_fit_off_the_main_thread_warns_and_still_saves_periodically(tmp_path):
             warnings.simplefilter("always")
             try:
                 cb = PreemptionCheckpoint(tmp_path / "ck", every_n_steps=2)
-                Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, callbacks=[cb])).fit(Wide(width=16), train_dataloaders=loader())
-            except BaseException as err:  # noqa: BLE001 - reported to the test thread
+                Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, callbacks=[cb])).fit(
+                    Wide(width=16), train_dataloaders=loader()
+                )
+            except BaseException as err:
                 errors.append(err)
         warned.extend(str(w.message) for w in record)
 
@@ -190,7 +212,9 @@ def test_periodic_save_after_resume_inside_accumulation_does_not_overwrite(tmp_p
     ck = tmp_path / "ck"
     kwargs = dict(accumulate_grad_batches=2, callbacks=None)
     first = PreemptionCheckpoint(ck, every_n_steps=4, keep_last=None)
-    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, **{**kwargs, "callbacks": [first]})).fit(Wide(width=16), train_dataloaders=loader())
+    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, **{**kwargs, "callbacks": [first]})).fit(
+        Wide(width=16), train_dataloaders=loader()
+    )
     saved = ck / "step=00000004.ckpt"
     before = json.loads(manifest_path(saved).read_text())["sha256"]
     second = PreemptionCheckpoint(ck, every_n_steps=4, keep_last=None)

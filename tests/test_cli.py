@@ -33,11 +33,19 @@ def test_every_recipe_parses():
 
 
 def test_recipe_trains_and_reports_throughput(tmp_path):
-    cli = build_cli([
-        "fit", "--config", str(ROOT / "recipes/mlp_cpu.yaml"),
-        "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
-        "--trainer.default_root_dir", str(tmp_path),
-    ])
+    cli = build_cli(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "recipes/mlp_cpu.yaml"),
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
     assert cli.trainer.global_step == 32  # 2048 samples / 64 per batch
     monitor = next(c for c in cli.trainer.callbacks if isinstance(c, ThroughputCallback))
     assert monitor.results["throughput/samples_per_sec"] > 0
@@ -45,12 +53,27 @@ def test_recipe_trains_and_reports_throughput(tmp_path):
 
 
 def test_auto_precision_in_recipe_resolves_to_bf16_on_cpu(tmp_path):
-    cli = build_cli([
-        "fit", "--config", str(ROOT / "recipes/tiny_gpt_cpu.yaml"),
-        "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "null",
-        "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0",
-        "--trainer.default_root_dir", str(tmp_path),
-    ])
+    cli = build_cli(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "recipes/tiny_gpt_cpu.yaml"),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.val_check_interval",
+            "null",
+            "--trainer.logger",
+            "false",
+            "--trainer.callbacks",
+            "[]",
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
     assert cli.trainer.precision == "bf16-mixed"
 
 
@@ -58,7 +81,10 @@ def test_auto_precision_in_recipe_resolves_to_bf16_on_cpu(tmp_path):
     ("extra", "message"),
     [
         (["--config", "recipes/does_not_exist.yaml"], "File does not exist"),
-        (["--config", "recipes/mlp_cpu.yaml", "--trainer.bogus_flag", "1"], "unrecognized arguments: --trainer.bogus_flag"),
+        (
+            ["--config", "recipes/mlp_cpu.yaml", "--trainer.bogus_flag", "1"],
+            "unrecognized arguments: --trainer.bogus_flag",
+        ),
         (["--config", "recipes/mlp_cpu.yaml", "--trainer.strategy", "accel_zero22"], "Did you mean 'accel_zero2'"),
         (["--config", "recipes/mlp_cpu.yaml", "--trainer.precision", "fp7"], "precision"),
     ],
@@ -82,9 +108,18 @@ def test_unknown_key_in_config_file(tmp_path):
 def test_ckpt_path_auto_starts_fresh_then_resumes(tmp_path, caplog):
     ckpts = tmp_path / "ck"
     common = [
-        "fit", "--config", str(ROOT / "recipes/mlp_cpu.yaml"), "--trainer.enable_progress_bar", "false",
-        "--trainer.callbacks+=lightning_accel.PreemptionCheckpoint", f"--trainer.callbacks.dirpath={ckpts}",
-        "--trainer.callbacks.every_n_steps=5", "--ckpt_path", "auto", "--trainer.default_root_dir", str(tmp_path),
+        "fit",
+        "--config",
+        str(ROOT / "recipes/mlp_cpu.yaml"),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.callbacks+=lightning_accel.PreemptionCheckpoint",
+        f"--trainer.callbacks.dirpath={ckpts}",
+        "--trainer.callbacks.every_n_steps=5",
+        "--ckpt_path",
+        "auto",
+        "--trainer.default_root_dir",
+        str(tmp_path),
     ]
     with caplog.at_level("INFO", logger="lightning_accel.cli"):
         first = build_cli([*common, "--trainer.max_steps", "10"])
@@ -101,7 +136,16 @@ def test_ckpt_path_auto_starts_fresh_then_resumes(tmp_path, caplog):
 
 
 def test_ckpt_path_auto_without_preemption_callback_is_an_error(tmp_path):
-    result = run_cli("fit", "--config", "recipes/mlp_cpu.yaml", "--ckpt_path", "auto", "--trainer.max_steps", "1",
-                     "--trainer.default_root_dir", str(tmp_path))
+    result = run_cli(
+        "fit",
+        "--config",
+        "recipes/mlp_cpu.yaml",
+        "--ckpt_path",
+        "auto",
+        "--trainer.max_steps",
+        "1",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    )
     assert result.returncode != 0
     assert "--ckpt_path auto needs a PreemptionCheckpoint callback" in result.stderr

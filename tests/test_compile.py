@@ -63,7 +63,7 @@ def test_failed_compilation_falls_back_to_eager(tmp_path, caplog):
 
 
 def test_failed_compilation_raises_when_fallback_disabled(tmp_path):
-    with pytest.raises(Exception, match="graph_break|Unsupported|graph break"):
+    with pytest.raises(Exception, match=r"graph_break|Unsupported|graph break"):
         train(tmp_path, fresh(GraphBreakMLP), [CompileCallback(fullgraph=True, backend="eager", fallback=False)])
 
 

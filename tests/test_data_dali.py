@@ -12,10 +12,12 @@ from lightning.pytorch import LightningModule, Trainer
 from PIL import Image
 from torch import nn
 
-pytest.importorskip("nvidia.dali", reason="nvidia-dali-cuda120 is not installed (a project dependency; the H200 image lacks it)")
+pytest.importorskip(
+    "nvidia.dali", reason="nvidia-dali-cuda120 is not installed (a project dependency; the H200 image lacks it)"
+)
 
-from lightning_accel.data import DALIImageDataModule  # noqa: E402
-from lightning_accel.monitor import ThroughputCallback  # noqa: E402
+from lightning_accel.data import DALIImageDataModule
+from lightning_accel.monitor import ThroughputCallback
 
 from .conftest import requires_cuda, tiny_trainer_kwargs
 
@@ -39,7 +41,16 @@ def image_dir(tmp_path_factory) -> Path:
 
 
 def make(image_dir, **kw) -> DALIImageDataModule:
-    kw = {"train_dir": str(image_dir), "batch_size": 4, "image_size": 8, "mean": MEAN, "std": STD, "num_threads": 1, "device": "cpu", **kw}
+    kw = {
+        "train_dir": str(image_dir),
+        "batch_size": 4,
+        "image_size": 8,
+        "mean": MEAN,
+        "std": STD,
+        "num_threads": 1,
+        "device": "cpu",
+        **kw,
+    }
     dm = DALIImageDataModule(**kw)
     dm.setup("fit")
     return dm
@@ -58,9 +69,9 @@ def test_shapes_dtypes_and_normalization(image_dir):
     images, labels = next(iter(make(image_dir).train_dataloader()))
     assert images.shape == (4, 3, 8, 8) and images.dtype == torch.float32 and images.device.type == "cpu"
     assert labels.shape == (4,) and labels.dtype == torch.int64
-    for img, label, k in zip(images, labels, ids(images)):
+    for img, label, k in zip(images, labels, ids(images), strict=True):
         assert label.item() == k % CLASSES  # folder label matches the image's own class
-        expected = [(c - m) / s for c, m, s in zip(color(k), MEAN, STD)]
+        expected = [(c - m) / s for c, m, s in zip(color(k), MEAN, STD, strict=True)]
         for channel in range(3):  # a solid colour survives crop, resize and flip unchanged
             torch.testing.assert_close(img[channel], torch.full((8, 8), expected[channel]), atol=0.02, rtol=0)
 
@@ -110,7 +121,17 @@ def test_numpy_array_source_shards_and_normalizes():
     labels = np.arange(N) % CLASSES
     seen = []
     for shard in range(2):
-        dm = DALIImageDataModule(train_arrays=(images, labels), batch_size=4, image_size=6, mean=MEAN, std=STD, num_threads=1, device="cpu", shard_id=shard, num_shards=2)
+        dm = DALIImageDataModule(
+            train_arrays=(images, labels),
+            batch_size=4,
+            image_size=6,
+            mean=MEAN,
+            std=STD,
+            num_threads=1,
+            device="cpu",
+            shard_id=shard,
+            num_shards=2,
+        )
         loader = dm.train_dataloader()
         assert len(loader) == 3
         e1, e2 = epoch_ids(loader), epoch_ids(loader)
@@ -125,7 +146,9 @@ def test_numpy_array_source_shards_and_normalizes():
 class TinyCNN(LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, CLASSES))
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, CLASSES)
+        )
 
     def training_step(self, batch, batch_idx):
         images, labels = batch
@@ -151,7 +174,7 @@ def test_bad_folders_are_clear_errors(tmp_path):
         make(tmp_path)
     (tmp_path / "cats").mkdir()
     (tmp_path / "cats" / "notes.txt").write_text("hi")
-    with pytest.raises(ValueError, match="no .* files"):
+    with pytest.raises(ValueError, match=r"no .* files"):
         make(tmp_path)
     with pytest.raises(ValueError, match="needs train_dir"):
         DALIImageDataModule()
@@ -177,3 +200,4 @@ def test_gpu_mixed_decode(image_dir):
     dm.setup("fit")
     images, labels = next(iter(dm.train_dataloader()))
     assert images.device.type == "cuda" and images.shape == (4, 3, 8, 8)
+    assert labels.shape == (4,)

@@ -37,7 +37,7 @@ def epoch_order(data, epoch, **kw):
 def test_resumable_loader_skips_consumed_batches_of_same_epoch():
     data = torch.arange(20)
     expected = epoch_order(data, 2, batch_size=4, seed=7)
-    assert sorted(sum(expected, [])) == list(range(20))
+    assert sorted(i for batch in expected for i in batch) == list(range(20))
 
     first = ResumableDataLoader(data, batch_size=4, seed=7)
     first.sampler.set_epoch(2)
@@ -64,3 +64,11 @@ def test_state_after_an_epoch_points_at_the_next_one():
 def test_bad_resume_state_is_a_clear_error():
     with pytest.raises(ValueError, match="missing \\['batches_consumed'\\]"):
         ResumableDataLoader(torch.arange(4)).load_state_dict({"epoch": 1})
+
+
+def test_loaders_before_setup_name_the_fix():
+    dm = SyntheticTokenDataModule()
+    with pytest.raises(RuntimeError, match=r"train_dataloader\(\) before setup\(\): call dm.setup\('fit'\)"):
+        dm.train_dataloader()
+    with pytest.raises(RuntimeError, match=r"val_dataloader\(\) before setup\(\)"):
+        dm.val_dataloader()

@@ -30,7 +30,13 @@ def fit(tmp_path, model, dm, callbacks, **kw):
 def test_flops_are_exact_for_a_linear_stack(tmp_path):
     cb = ThroughputCallback(summary=False)
     model = MLPClassifier(input_dim=16, hidden_dim=32, num_layers=2, num_classes=4)
-    fit(tmp_path, model, SyntheticClassificationDataModule(num_samples=128, input_dim=16, batch_size=32), [cb], max_steps=3)
+    fit(
+        tmp_path,
+        model,
+        SyntheticClassificationDataModule(num_samples=128, input_dim=16, batch_size=32),
+        [cb],
+        max_steps=3,
+    )
     b = 32
     layer = [2 * b * 16 * 32, 2 * b * 32 * 32, 2 * b * 32 * 4]  # forward matmuls, 2*M*N*K each
     # backward: weight grads for every layer, input grads for all but the first (the data needs none)
@@ -56,7 +62,14 @@ def test_tokens_per_sec_logged_for_token_batches(tmp_path):
     cb = ThroughputCallback(log_every_n_steps=2, summary=False)
     logger = CSVLogger(tmp_path, name="run")
     dm = SyntheticTokenDataModule(num_samples=64, seq_len=16, vocab_size=32, batch_size=8)
-    fit(tmp_path, TinyGPT(vocab_size=32, seq_len=16, d_model=16, n_layers=1, n_heads=2), dm, [cb], max_steps=8, logger=logger)
+    fit(
+        tmp_path,
+        TinyGPT(vocab_size=32, seq_len=16, d_model=16, n_layers=1, n_heads=2),
+        dm,
+        [cb],
+        max_steps=8,
+        logger=logger,
+    )
     r = cb.results
     assert r["throughput/tokens_per_sec"] == pytest.approx(16 * r["throughput/samples_per_sec"])
     assert r["throughput/steps_measured"] == 8 - cb.warmup_steps
@@ -131,7 +144,14 @@ def test_utilization_without_nvml_logs_host_metrics_and_serves_prometheus(tmp_pa
 
     cb = Scrape(interval_s=0.0, prometheus_port=port, summary=False)
     logger = CSVLogger(tmp_path, name="util")
-    fit(tmp_path, MLPClassifier(input_dim=16), SyntheticClassificationDataModule(num_samples=64, input_dim=16, batch_size=16), [cb], max_steps=3, logger=logger)
+    fit(
+        tmp_path,
+        MLPClassifier(input_dim=16),
+        SyntheticClassificationDataModule(num_samples=64, input_dim=16, batch_size=16),
+        [cb],
+        max_steps=3,
+        logger=logger,
+    )
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the NVML-absent path cannot be exercised here")
     assert cb.nvml is None  # closed at teardown
@@ -186,7 +206,10 @@ def test_nvml_handle_follows_cuda_visible_devices_by_uuid(caplog):
 def test_nvml_reads_the_training_gpu(tmp_path):
     cb = UtilizationMonitor(interval_s=0.0, summary=False)
     trainer = Trainer(**tiny_trainer_kwargs(tmp_path, callbacks=[cb], max_steps=3, accelerator="gpu"))
-    trainer.fit(MLPClassifier(input_dim=16), datamodule=SyntheticClassificationDataModule(num_samples=64, input_dim=16, batch_size=16))
+    trainer.fit(
+        MLPClassifier(input_dim=16),
+        datamodule=SyntheticClassificationDataModule(num_samples=64, input_dim=16, batch_size=16),
+    )
     total_gib = torch.cuda.get_device_properties(trainer.strategy.root_device).total_memory / 2**30
     assert cb.last["gpu/memory_total_gib"] == pytest.approx(total_gib, rel=0.02)
     assert 0 < cb.last["gpu/memory_used_gib"] <= cb.last["gpu/memory_total_gib"]

@@ -36,7 +36,10 @@ def test_auto_choice_per_capability(caps, allow_fp8, expected):
     assert caps.name in choice.reason
 
 
-@pytest.mark.parametrize(("requested", "expected"), [("32-true", "32-true"), ("16-mixed", "16-mixed"), (16, "16-mixed"), ("bf16", "bf16-mixed")])
+@pytest.mark.parametrize(
+    ("requested", "expected"),
+    [("32-true", "32-true"), ("16-mixed", "16-mixed"), (16, "16-mixed"), ("bf16", "bf16-mixed")],
+)
 def test_explicit_choice_wins(requested, expected):
     choice = choose_precision(requested, A100)
     assert choice.precision == expected and choice.reason == "explicitly requested"

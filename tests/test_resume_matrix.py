@@ -43,9 +43,24 @@ CONFIGS = [
 ]
 
 
-def run_matrix(tmp_path: Path, loader: str, accumulate: int, val: bool, async_save: bool, devices: int) -> dict[int, dict]:
-    cfg = {"loader": loader, "accumulate": accumulate, "val": val, "async_save": async_save, "devices": devices, "scenarios": scenarios(accumulate, val)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(cfg), str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+def run_matrix(
+    tmp_path: Path, loader: str, accumulate: int, val: bool, async_save: bool, devices: int
+) -> dict[int, dict]:
+    cfg = {
+        "loader": loader,
+        "accumulate": accumulate,
+        "val": val,
+        "async_save": async_save,
+        "devices": devices,
+        "scenarios": scenarios(accumulate, val),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(cfg), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return {rank: json.loads((tmp_path / f"result_rank{rank}.json").read_text()) for rank in range(devices)}
 
@@ -53,14 +68,20 @@ def run_matrix(tmp_path: Path, loader: str, accumulate: int, val: bool, async_sa
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("loader", "accumulate", "val", "async_save", "devices"), CONFIGS, ids=lambda v: str(v))
-def test_interrupted_runs_end_bitwise_equal_to_the_uninterrupted_run(tmp_path, loader, accumulate, val, async_save, devices):
+def test_interrupted_runs_end_bitwise_equal_to_the_uninterrupted_run(
+    tmp_path, loader, accumulate, val, async_save, devices
+):
     results = run_matrix(tmp_path, loader, accumulate, val, async_save, devices)
     for rank, by_scenario in results.items():
         assert sorted(by_scenario) == sorted(scenarios(accumulate, val))
         for name, r in by_scenario.items():
             where = f"rank {rank}, scenario {name}"
             interruptions = len(r["codes"]) - 1
-            assert interruptions == (3 if name == "three_in_a_row" else 2 if name == "mid_epoch_then_after_resume" else 1), where
+            assert interruptions == (
+                3 if name == "three_in_a_row" else 2 if name == "mid_epoch_then_after_resume" else 1
+            ), where
             assert r["codes"] == [EXIT_CODE_PREEMPTED] * interruptions + [0], where
             assert r["differences"] == [], f"{where}: differs from the uninterrupted run in {r['differences'][:5]}"
-            assert r["seen_equal"], f"{where}: trained samples differ from sample {r['seen_first_mismatch']} on ({r['seen_lengths']})"
+            assert r["seen_equal"], (
+                f"{where}: trained samples differ from sample {r['seen_first_mismatch']} on ({r['seen_lengths']})"
+            )

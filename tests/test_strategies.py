@@ -15,15 +15,17 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
 import lightning_accel
+from lightning_accel._compat import ddp_kwargs
+from lightning_accel.models import GPTBlock, TinyGPT
 from lightning_accel.strategies import (
     PRESETS,
+    AccelDDPStrategy,
     AccelDeepSpeedStrategy,
     AccelFSDPStrategy,
     check_strategy_name,
     find_block_classes,
-    zero_config,
+    zero3_config,
 )
-from lightning_accel.models import GPTBlock, TinyGPT
 
 from .conftest import requires_cuda
 
@@ -46,12 +48,20 @@ import torch, torch.distributed as dist
 def gloo_threads():
     return sum(open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo") for t in os.listdir("/proc/self/task"))
 
-# atexit runs handlers last-registered-first: this one, registered before lightning_accel is
-# imported, runs after lightning_accel's hook and sees what that hook left behind.
+# atexit runs handlers last-registered-first: this one, registered before lightning_accel's hook,
+# runs after it and sees what that hook left behind.
 atexit.register(lambda: print("at exit:", dist.is_initialized(), gloo_threads(), flush=True))
 import lightning.pytorch  # imports torch._dynamo, which must come before the group exists, as in a real run
-if sys.argv[1] == "accel":
-    import lightning_accel
+import lightning_accel  # registers nothing at exit on its own ("import-only")
+if sys.argv[1] == "explicit":
+    lightning_accel.close_gloo_process_group_at_exit()
+if sys.argv[1] == "accel_ddp":  # our DDP preset registers the hook when it creates a gloo group
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    Trainer(accelerator="cpu", devices=1, strategy="accel_ddp", max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(BoringModel())
+    print("running:", gloo_threads(), flush=True)
+    sys.exit(0)
 gc.disable()  # only an explicit collection may free the cycle below
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 dist.all_reduce(torch.ones(2))
@@ -62,10 +72,12 @@ print("running:", gloo_threads(), flush=True)
 """
 
 
-@pytest.mark.parametrize(("imports", "closed_at_exit"), [("accel", True), ("lightning-only", False)], ids=["accel", "control"])
+@pytest.mark.parametrize(
+    ("imports", "closed_at_exit"), [("explicit", True), ("accel_ddp", True), ("import-only", False)]
+)
 def test_gloo_process_group_closed_before_interpreter_exit(imports, closed_at_exit):
-    # The control run (Lightning alone) shows the group and its threads would otherwise still be
-    # alive at exit, where gloo's threads can abort a finished run with SIGABRT.
+    # The control run (import only: no side effect) shows the group and its threads would otherwise
+    # still be alive at exit, where gloo's threads can abort a finished run with SIGABRT.
     proc = subprocess.run([sys.executable, "-c", _EXIT_PROBE, imports], capture_output=True, text=True, timeout=120)
     # the control may itself die of the abort (-6) the hook prevents
     assert proc.returncode == 0 or (not closed_at_exit and proc.returncode == -6), proc.stderr[-2000:]
@@ -79,47 +91,64 @@ def test_gloo_process_group_closed_before_interpreter_exit(imports, closed_at_ex
 
 def test_ddp_presets_pass_tuned_kwargs():
     ddp = StrategyRegistry.get("accel_ddp")
-    assert type(ddp) is DDPStrategy
-    assert ddp._ddp_kwargs == {"bucket_cap_mb": 100, "gradient_as_bucket_view": True, "find_unused_parameters": False}
-    assert StrategyRegistry.get("accel_ddp_static")._ddp_kwargs["static_graph"] is True
+    assert type(ddp) is AccelDDPStrategy and isinstance(ddp, DDPStrategy)  # only adds the gloo exit hook
+    assert ddp_kwargs(ddp) == {"bucket_cap_mb": 100, "gradient_as_bucket_view": True, "find_unused_parameters": False}
+    assert ddp_kwargs(StrategyRegistry.get("accel_ddp_static"))["static_graph"] is True
 
 
-def test_zero_configs_exact():
+def test_zero_presets_exact():
+    # Stages 1-2: Lightning's own config from DeepSpeedStrategy(stage=..., offload_optimizer=...).
+    zero2 = StrategyRegistry.get("accel_zero2")
+    assert isinstance(zero2, AccelDeepSpeedStrategy)
+    z = zero2.config["zero_optimization"]
+    assert (z["stage"], z["overlap_comm"], z["contiguous_gradients"]) == (2, True, True)
+    assert (z["reduce_bucket_size"], z["allgather_bucket_size"]) == (200_000_000, 200_000_000)
+    assert "offload_optimizer" not in z
+    assert zero2.config["zero_allow_untested_optimizer"] is True
+    assert zero2.config["zero_force_ds_cpu_optimizer"] is False
+    offload = StrategyRegistry.get("accel_zero2_offload").config
+    assert offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert offload["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
+    assert offload["zero_force_ds_cpu_optimizer"] is False
+    # Stage 3: ours, for the knobs Lightning has no arguments for.
     bucket = 200_000_000
-    base = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
-    flags = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
-    assert zero_config(2) == {"zero_optimization": {"stage": 2, **base}, **flags}
-    offload = {"device": "cpu", "pin_memory": True}
-    assert zero_config(3, offload_optimizer=True, offload_params=True) == {
+    pinned = {"device": "cpu", "pin_memory": True}
+    assert zero3_config(offload=True) == {
         "zero_optimization": {
             "stage": 3,
-            **base,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
             "stage3_prefetch_bucket_size": bucket,
             "stage3_param_persistence_threshold": 100_000,
             "stage3_max_live_parameters": 1_000_000_000,
             "stage3_gather_16bit_weights_on_model_save": True,
-            "offload_optimizer": offload,
-            "offload_param": offload,
+            "offload_optimizer": pinned,
+            "offload_param": pinned,
         },
-        **flags,
+        "zero_allow_untested_optimizer": True,
     }
-    strategy = StrategyRegistry.get("accel_zero3_offload")
-    assert isinstance(strategy, AccelDeepSpeedStrategy)
-    assert strategy.config == zero_config(3, offload_optimizer=True, offload_params=True)
-    assert StrategyRegistry.get("accel_zero2").config == zero_config(2)
-    assert StrategyRegistry.get("accel_zero2_offload").config["zero_optimization"]["offload_optimizer"] == offload
+    zero3 = StrategyRegistry.get("accel_zero3_offload")
+    assert zero3.config == {**zero3_config(offload=True), "zero_force_ds_cpu_optimizer": False}
+    with pytest.raises(ValueError, match="bucket_mb must be positive, got 0"):
+        zero3_config(bucket_mb=0)
 
 
-def test_zero_config_rejects_bad_combinations():
-    with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 4"):
-        zero_config(4)
-    with pytest.raises(ValueError, match="offload_params needs ZeRO stage 3"):
-        zero_config(2, offload_params=True)
+def test_zero_preset_config_is_never_shared_between_trainers():
+    first, second = StrategyRegistry.get("accel_zero3"), StrategyRegistry.get("accel_zero3")
+    first.config["train_micro_batch_size_per_gpu"] = 64  # what Lightning writes during a run
+    assert "train_micro_batch_size_per_gpu" not in second.config
+    assert first.config["zero_optimization"] is not second.config["zero_optimization"]
 
 
-def test_deepspeed_preset_on_cpu_is_a_clear_error():
-    with pytest.raises(ValueError, match="need CUDA GPUs, but the accelerator is CPUAccelerator"):
+def test_deepspeed_preset_on_cpu_is_a_clear_error_that_leaves_the_process_clean():
+    # At Trainer(...), not at fit: Lightning's own check at fit comes after its launcher wrote
+    # MASTER_PORT/LOCAL_RANK into os.environ, and a later DDP subprocess then waits for peers forever.
+    before = dict(os.environ)
+    with pytest.raises(ValueError, match=r"need CUDA GPUs, but the accelerator is CPUAccelerator.*'accel_ddp'"):
         Trainer(strategy="accel_zero2", accelerator="cpu", logger=False)
+    assert dict(os.environ) == before
 
 
 def test_unknown_preset_lists_valid_names():
@@ -143,8 +172,19 @@ def run_two_ranks(tmp_path: Path, strategy: str, *extra: str) -> Path:
     out = tmp_path / (strategy + "".join(extra))
     out.mkdir()
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests/scripts/train_distributed.py"), "--strategy", strategy, "--out", str(out), *extra],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "tests/scripts/train_distributed.py"),
+            "--strategy",
+            strategy,
+            "--out",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return out
@@ -158,7 +198,12 @@ def load_rank(out: Path, rank: int):
 @pytest.mark.multiprocess
 def test_ddp_and_fsdp2_train_for_real_on_gloo(tmp_path):
     results = {}
-    runs = {"ddp": ("accel_ddp",), "fsdp": ("accel_fsdp_fp32",), "fsdp_ac": ("accel_fsdp_fp32", "--activation-checkpointing"), "fsdp_bf16": ("accel_fsdp",)}
+    runs = {
+        "ddp": ("accel_ddp",),
+        "fsdp": ("accel_fsdp_fp32",),
+        "fsdp_ac": ("accel_fsdp_fp32", "--activation-checkpointing"),
+        "fsdp_bf16": ("accel_fsdp",),
+    }
     for key, (strategy, *extra) in runs.items():
         out = run_two_ranks(tmp_path, strategy, *extra)
         w0, losses0 = load_rank(out, 0)
@@ -171,7 +216,7 @@ def test_ddp_and_fsdp2_train_for_real_on_gloo(tmp_path):
         saved = torch.load(ckpts[0], weights_only=False)["state_dict"]
         assert all(torch.equal(saved[k], w0[k]) for k in w0)
         results[key] = w0
-        assert (out / "strategy_rank0.txt").read_text() == ("DDPStrategy" if key == "ddp" else "AccelFSDPStrategy")
+        assert (out / "strategy_rank0.txt").read_text() == ("AccelDDPStrategy" if key == "ddp" else "AccelFSDPStrategy")
     # Same data, same seed: sharded training computes the same model as DDP (fp32, gloo) ...
     for k, v in results["ddp"].items():
         torch.testing.assert_close(results["fsdp"][k], v, rtol=1e-5, atol=1e-6)
@@ -197,7 +242,11 @@ def test_zero_configs_run_on_deepspeeds_cpu_engine():
     """Lightning refuses DeepSpeed on CPU; DeepSpeed's own engine on its CPU accelerator does not."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests/scripts/deepspeed_cpu_engine.py")],
-        capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "MASTER_PORT": "29541"},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={**os.environ, "MASTER_PORT": "29541"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -211,8 +260,15 @@ def test_zero2_preset_trains_on_gpu(tmp_path):
     from lightning_accel.data import SyntheticTokenDataModule
 
     trainer = Trainer(
-        accelerator="gpu", devices=1, strategy="accel_zero2", precision="bf16-mixed", max_steps=5, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path),
+        accelerator="gpu",
+        devices=1,
+        strategy="accel_zero2",
+        precision="bf16-mixed",
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
     )
     trainer.fit(TinyGPT(), datamodule=SyntheticTokenDataModule())
     assert trainer.global_step == 5

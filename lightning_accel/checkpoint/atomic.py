@@ -16,14 +16,14 @@ import shutil
 import threading
 import time
 import zipfile
-from pathlib import Path
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, Callable
+from pathlib import Path
+from typing import IO, Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,11 @@ class CorruptCheckpointError(RuntimeError):
     """A checkpoint file is truncated, altered or unreadable."""
 
 
-def manifest_path(path: _PATH) -> Path:
+# A file path as Lightning's CheckpointIO methods take it.
+PathLike = str | os.PathLike[str]
+
+
+def manifest_path(path: PathLike) -> Path:
     return Path(str(path) + MANIFEST_SUFFIX)
 
 
@@ -95,7 +99,7 @@ def _explain_write_error(err: OSError, path: Path) -> OSError:
     return OSError(err.errno, f"Writing checkpoint {path} failed: {err.strerror} ({free} on that file system)")
 
 
-def atomic_save(obj: Any, path: _PATH, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def atomic_save(obj: Any, path: PathLike, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """``torch.save(obj, path)`` atomically and durably; returns the manifest written beside it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +123,7 @@ def atomic_save(obj: Any, path: _PATH, meta: dict[str, Any] | None = None) -> di
     return manifest
 
 
-def read_manifest(path: _PATH) -> dict[str, Any] | None:
+def read_manifest(path: PathLike) -> dict[str, Any] | None:
     """The manifest beside ``path``, or ``None`` when it is missing or unreadable."""
     try:
         manifest = json.loads(manifest_path(path).read_text())
@@ -155,7 +159,7 @@ def _verify_zip(path: Path, why: str) -> Verdict:
     return Verdict(True, f"{why}; the zip container and its CRCs are intact", "zip")
 
 
-def verify(path: _PATH, checksum: bool = True) -> Verdict:
+def verify(path: PathLike, checksum: bool = True) -> Verdict:
     """Check that ``path`` is a complete checkpoint.
 
     With a manifest, size and SHA-256 must match (``checksum=False`` checks the size only). Without a
@@ -197,12 +201,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     for background writes; :class:`PreemptionCheckpoint` installs one for you.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO does not take storage_options, got {storage_options!r}")
         atomic_save(checkpoint, path, _manifest_meta(checkpoint))
 
-    def load_checkpoint(self, path: _PATH, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: PathLike, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if Path(path).is_file() and not (verdict := verify(path)):
             raise CorruptCheckpointError(
                 f"Checkpoint {path} is not usable: {verdict.reason}. Resume from an earlier checkpoint "
@@ -210,7 +216,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathLike) -> None:
         super().remove_checkpoint(path)
         manifest_path(path).unlink(missing_ok=True)
 
@@ -229,7 +235,7 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         snapshot = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
         self.wait()
         if self._executor is None:

@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_accel._compat import is_last_batch, saves_distributed_checkpoint
 from lightning_accel.checkpoint.atomic import (
     RUN_ID_KEY,
     TMP_MARKER,
@@ -124,7 +125,11 @@ class PreemptionCheckpoint(Callback):
     ) -> None:
         self.dirpath = Path(dirpath)
         self.signals = [self._signal(name) for name in signals]
-        for name, value in (("every_n_steps", every_n_steps), ("every_n_seconds", every_n_seconds), ("keep_last", keep_last)):
+        for name, value in (
+            ("every_n_steps", every_n_steps),
+            ("every_n_seconds", every_n_seconds),
+            ("keep_last", keep_last),
+        ):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive or None, got {value}")
         self.every_n_steps = every_n_steps
@@ -160,11 +165,12 @@ class PreemptionCheckpoint(Callback):
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
         self._verified.clear()
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or getattr(strategy, "_save_distributed_checkpoint", False):
+        if isinstance(strategy, DeepSpeedStrategy) or saves_distributed_checkpoint(strategy):
             log.warning(
                 "%s saves a sharded checkpoint folder with its own writer: PreemptionCheckpoint still saves on "
                 "signals and schedules, but atomic writes, manifests and find_resume_checkpoint cover "
-                "single-file checkpoints only", type(strategy).__name__,
+                "single-file checkpoints only",
+                type(strategy).__name__,
             )
         io = strategy.checkpoint_io
         if type(io) is TorchCheckpointIO:  # the default: upgrade it; a user's own plugin is respected
@@ -172,7 +178,8 @@ class PreemptionCheckpoint(Callback):
         elif not isinstance(io, (AtomicCheckpointIO, AsyncCheckpointIO)):
             log.warning(
                 "%s uses its own checkpoint IO (%s): writes are not made atomic by PreemptionCheckpoint",
-                type(strategy).__name__, type(io).__name__,
+                type(strategy).__name__,
+                type(io).__name__,
             )
         # Handlers in place before Lightning installs its own (a user's, an agent's): ours call them.
         self._chained = {}
@@ -227,7 +234,13 @@ class PreemptionCheckpoint(Callback):
 
     def _warn_if_loader_is_not_resumable(self, trainer: Trainer) -> None:
         loaders = trainer.train_dataloader
-        flat = loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        flat = (
+            loaders.values()
+            if isinstance(loaders, dict)
+            else loaders
+            if isinstance(loaders, (list, tuple))
+            else [loaders]
+        )
         for loader in flat:
             if loader is not None and trainer.world_size > 1 and type(loader).__name__ == "StatefulDataLoader":
                 rank_zero_warn(
@@ -280,7 +293,9 @@ class PreemptionCheckpoint(Callback):
             states, self._pending_rng = self._pending_rng, None
             _set_rng_state(states[trainer.global_rank] if trainer.global_rank < len(states) else states[0])
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.enable_validation:  # off the hot path of runs without validation
             self._stash_rng_for_validation()
         io = trainer.strategy.checkpoint_io
@@ -295,7 +310,7 @@ class PreemptionCheckpoint(Callback):
             due = due or trainer.strategy.broadcast(elapsed, src=0)  # rank 0's clock decides for all
         if not (signalled or due or self._deferred):
             return
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and not self._is_final_step(trainer):
+        if is_last_batch(trainer) and not self._is_final_step(trainer):
             # Never at an epoch's last batch: Lightning does not hand stateful loaders their state back
             # when resuming there (a DALI or StatefulDataLoader epoch then starts over from its first
             # order), and resumes such a checkpoint inconsistently. The next epoch's first step is safe.
@@ -324,7 +339,11 @@ class PreemptionCheckpoint(Callback):
         if not self.exit_on_preempt:
             trainer.should_stop = True
             return
-        log.info("preempted: %s, exiting with code %d", f"saved {checkpoint}" if checkpoint else "nothing to save", self.exit_code)
+        log.info(
+            "preempted: %s, exiting with code %d",
+            f"saved {checkpoint}" if checkpoint else "nothing to save",
+            self.exit_code,
+        )
         raise Preempted(self.exit_code, checkpoint)
 
     def save(self, trainer: Trainer) -> Path:
@@ -360,7 +379,11 @@ class PreemptionCheckpoint(Callback):
         # Only this run's complete checkpoints count, so a write still in flight (async) never pushes
         # out the last good one and another run's files in a shared folder are never touched. Complete
         # means a manifest is there (an async write renames the file before it writes the manifest).
-        ours = [p for p in list_checkpoints(self.dirpath, "step=*.ckpt") if (read_manifest(p) or {}).get("run_id") == self.run_id]
+        ours = [
+            p
+            for p in list_checkpoints(self.dirpath, "step=*.ckpt")
+            if (read_manifest(p) or {}).get("run_id") == self.run_id
+        ]
         kept = 0
         for path in ours:
             if kept < self.keep_last:

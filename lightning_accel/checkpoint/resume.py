@@ -6,10 +6,9 @@ import logging
 import re
 from pathlib import Path
 
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_accel.checkpoint.atomic import TMP_MARKER, read_manifest, verify
+from lightning_accel.checkpoint.atomic import TMP_MARKER, PathLike, read_manifest, verify
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ def _order_key(path: Path) -> tuple[int, float]:
     return (step if step is not None else -1, path.stat().st_mtime)
 
 
-def list_checkpoints(dirpath: _PATH, pattern: str = "*.ckpt") -> list[Path]:
+def list_checkpoints(dirpath: PathLike, pattern: str = "*.ckpt") -> list[Path]:
     """Checkpoint files in ``dirpath``, newest first (by global step, then modification time).
 
     The step comes from the manifest, or from a ``step=N`` in the file name when the manifest is
@@ -43,7 +42,7 @@ def list_checkpoints(dirpath: _PATH, pattern: str = "*.ckpt") -> list[Path]:
     return sorted(files, key=_order_key, reverse=True)
 
 
-def find_resume_checkpoint(dirpath: _PATH, pattern: str = "*.ckpt") -> str | None:
+def find_resume_checkpoint(dirpath: PathLike, pattern: str = "*.ckpt") -> str | None:
     """Path of the newest valid checkpoint in ``dirpath``, or ``None`` to start fresh.
 
     Use as ``trainer.fit(model, ckpt_path=find_resume_checkpoint("checkpoints"))``. Invalid files are

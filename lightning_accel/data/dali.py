@@ -46,7 +46,9 @@ def scan_image_folder(root: str | Path) -> tuple[list[str], list[str], list[int]
                 files.append(str(f))
                 labels.append(label)
     if not files:
-        raise ValueError(f"Image folder {str(root)!r} has class folders {classes[:5]} but no {sorted(IMAGE_SUFFIXES)} files")
+        raise ValueError(
+            f"Image folder {str(root)!r} has class folders {classes[:5]} but no {sorted(IMAGE_SUFFIXES)} files"
+        )
     return classes, files, labels
 
 
@@ -75,7 +77,17 @@ class _ArrayShardSource:
     is what lets DALI's pipeline checkpoints restore an external source exactly.
     """
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, shard_id: int, num_shards: int, shuffle: bool, seed: int, last_batch: str) -> None:
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        batch_size: int,
+        shard_id: int,
+        num_shards: int,
+        shuffle: bool,
+        seed: int,
+        last_batch: str,
+    ) -> None:
         self.images, self.labels = images, labels.astype(np.int64)
         self.batch_size, self.shard_id, self.num_shards = batch_size, shard_id, num_shards
         self.shuffle, self.seed, self.last_batch = shuffle, seed, last_batch
@@ -99,7 +111,9 @@ class _ArrayShardSource:
     def __call__(self, info: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
         if info.iteration >= self.num_batches():
             raise StopIteration  # DALI starts the next epoch (info.epoch_idx + 1) at the next call
-        idx = self.shard_indices(info.epoch_idx)[info.iteration * self.batch_size : (info.iteration + 1) * self.batch_size]
+        idx = self.shard_indices(info.epoch_idx)[
+            info.iteration * self.batch_size : (info.iteration + 1) * self.batch_size
+        ]
         if len(idx) < self.batch_size and self.last_batch == "fill":  # pad with the last sample, like DALI's FILL
             idx = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])
         return [self.images[i] for i in idx], [self.labels[i : i + 1] for i in idx]
@@ -113,7 +127,14 @@ class DALILoader:
     resume continues with exactly the batches and augmentations the uninterrupted run would have seen.
     """
 
-    def __init__(self, build: Callable[[str | None], DALIGenericIterator], as_dict: bool, source: str, shard_id: int = 0, length: int | None = None) -> None:
+    def __init__(
+        self,
+        build: Callable[[str | None], DALIGenericIterator],
+        as_dict: bool,
+        source: str,
+        shard_id: int = 0,
+        length: int | None = None,
+    ) -> None:
         self._build, self.as_dict, self.source, self.shard_id = build, as_dict, source, shard_id
         self.iterator = build(None)
         self.length = len(self.iterator) if length is None else length
@@ -163,7 +184,9 @@ def explain_dali_error(err: RuntimeError, source: str) -> RuntimeError:
     if "nvImageCodec" in text or "decode" in text.lower():  # "decode" also matches fn.decoders.image
         bad = find_unreadable_images(source) if Path(source).is_dir() else []
         named = f" Unreadable files: {bad}." if bad else ""
-        return RuntimeError(f"DALI could not decode an image under {source!r}.{named} Remove or re-encode it. (DALI: {last})")
+        return RuntimeError(
+            f"DALI could not decode an image under {source!r}.{named} Remove or re-encode it. (DALI: {last})"
+        )
     return RuntimeError(f"DALI pipeline over {source!r} failed: {text}")
 
 
@@ -217,7 +240,9 @@ class DALIImageDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if (shard_id is None) != (num_shards is None) or (num_shards is not None and not 0 <= shard_id < num_shards):
-            raise ValueError(f"shard_id and num_shards go together with 0 <= shard_id < num_shards, got {shard_id}, {num_shards}")
+            raise ValueError(
+                f"shard_id and num_shards go together with 0 <= shard_id < num_shards, got {shard_id}, {num_shards}"
+            )
         if train_dir is None and train_arrays is None:
             raise ValueError("DALIImageDataModule needs train_dir= (an image folder) or train_arrays=(images, labels)")
         if last_batch not in _POLICIES:
@@ -228,12 +253,16 @@ class DALIImageDataModule(LightningDataModule):
             if arrays is not None:
                 images, labels = arrays
                 if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8 or len(images) != len(labels):
-                    raise ValueError(f"{name} must be (uint8 images (N,H,W,3), labels (N,)), got {images.shape} {images.dtype} and {len(labels)} labels")
+                    raise ValueError(
+                        f"{name} must be (uint8 images (N,H,W,3), labels (N,)), "
+                        f"got {images.shape} {images.dtype} and {len(labels)} labels"
+                    )
         self.save_hyperparameters(ignore=["train_arrays", "val_arrays"])
         self.train_dir, self.val_dir = train_dir, val_dir
         # DALI takes densely packed arrays only: a transposed or sliced view is copied once here.
         self.train_arrays, self.val_arrays = (
-            None if arrays is None else (np.ascontiguousarray(arrays[0]), np.asarray(arrays[1])) for arrays in (train_arrays, val_arrays)
+            None if arrays is None else (np.ascontiguousarray(arrays[0]), np.asarray(arrays[1]))
+            for arrays in (train_arrays, val_arrays)
         )
         self.use_gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
         self.classes: list[str] = []
@@ -281,7 +310,15 @@ class DALIImageDataModule(LightningDataModule):
         source: _ArrayShardSource | None = None
         if folder is None:
             assert arrays is not None
-            source = _ArrayShardSource(*arrays, hp.batch_size, shard_id, num_shards, shuffle=train, seed=hp.seed, last_batch=hp.last_batch if train else "partial")
+            source = _ArrayShardSource(
+                *arrays,
+                hp.batch_size,
+                shard_id,
+                num_shards,
+                shuffle=train,
+                seed=hp.seed,
+                last_batch=hp.last_batch if train else "partial",
+            )
 
         @pipeline_def
         def pipeline() -> tuple[Any, Any]:
@@ -289,30 +326,54 @@ class DALIImageDataModule(LightningDataModule):
                 # shuffle_after_epoch: one global permutation per epoch with the same seed on every rank,
                 # so shards never overlap; pad_last_batch keeps every rank's epoch the same length.
                 encoded, labels = fn.readers.file(
-                    files=file_list[0], labels=file_list[1], shard_id=shard_id, num_shards=num_shards, shuffle_after_epoch=train,
-                    pad_last_batch=True, name=_READER,
+                    files=file_list[0],
+                    labels=file_list[1],
+                    shard_id=shard_id,
+                    num_shards=num_shards,
+                    shuffle_after_epoch=train,
+                    pad_last_batch=True,
+                    name=_READER,
                 )
                 images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB)
             else:
                 images, labels = fn.external_source(
-                    source=source, num_outputs=2, batch=True, batch_info=True, dtype=[types.UINT8, types.INT64], layout=["HWC", ""],
+                    source=source,
+                    num_outputs=2,
+                    batch=True,
+                    batch_info=True,
+                    dtype=[types.UINT8, types.INT64],
+                    layout=["HWC", ""],
                 )
                 images = images.gpu() if self.use_gpu else images
             if train:
-                images = fn.random_resized_crop(images, size=(hp.image_size, hp.image_size), random_area=list(hp.scale), device=aug_device)
+                images = fn.random_resized_crop(
+                    images, size=(hp.image_size, hp.image_size), random_area=list(hp.scale), device=aug_device
+                )
                 if hp.color_jitter > 0:
                     j = hp.color_jitter
                     images = fn.color_twist(
-                        images, brightness=fn.random.uniform(range=(1 - j, 1 + j)), contrast=fn.random.uniform(range=(1 - j, 1 + j)),
-                        saturation=fn.random.uniform(range=(1 - j, 1 + j)), device=aug_device,
+                        images,
+                        brightness=fn.random.uniform(range=(1 - j, 1 + j)),
+                        contrast=fn.random.uniform(range=(1 - j, 1 + j)),
+                        saturation=fn.random.uniform(range=(1 - j, 1 + j)),
+                        device=aug_device,
                     )
                 mirror = fn.random.coin_flip(probability=hp.flip_prob)
                 crop = None
             else:
-                images = fn.resize(images, resize_shorter=round(hp.image_size / hp.center_crop_ratio), device=aug_device)
+                images = fn.resize(
+                    images, resize_shorter=round(hp.image_size / hp.center_crop_ratio), device=aug_device
+                )
                 mirror, crop = 0, (hp.image_size, hp.image_size)
             images = fn.crop_mirror_normalize(
-                images, dtype=types.FLOAT, output_layout="CHW", crop=crop, mean=list(hp.mean), std=list(hp.std), mirror=mirror, device=aug_device,
+                images,
+                dtype=types.FLOAT,
+                output_layout="CHW",
+                crop=crop,
+                mean=list(hp.mean),
+                std=list(hp.std),
+                mirror=mirror,
+                device=aug_device,
             )
             return images, labels.gpu() if self.use_gpu else labels
 
@@ -320,22 +381,34 @@ class DALIImageDataModule(LightningDataModule):
 
         def build(checkpoint: str | None) -> DALIGenericIterator:
             pipe = pipeline(
-                batch_size=hp.batch_size, num_threads=hp.num_threads, device_id=self._device_id(),
+                batch_size=hp.batch_size,
+                num_threads=hp.num_threads,
+                device_id=self._device_id(),
                 seed=hp.seed + 1000 * shard_id + (0 if train else 1),  # augmentation differs per rank
-                prefetch_queue_depth=2, enable_checkpointing=train, checkpoint=checkpoint,
+                prefetch_queue_depth=2,
+                enable_checkpointing=train,
+                checkpoint=checkpoint,
             )
             try:
                 pipe.build()
                 # Constructing the iterator already runs the pipeline (prefetch), so decode errors show here too.
                 return DALIGenericIterator(
-                    pipe, ["images", "labels"], reader_name=_READER if source is None else None,
+                    pipe,
+                    ["images", "labels"],
+                    reader_name=_READER if source is None else None,
                     last_batch_policy=_POLICIES[policy] if source is None else LastBatchPolicy.PARTIAL,
                     auto_reset=True,
                 )
             except RuntimeError as err:
                 raise explain_dali_error(err, source_name) from err
 
-        return DALILoader(build, as_dict=hp.as_dict, source=source_name, shard_id=shard_id, length=None if source is None else source.num_batches())
+        return DALILoader(
+            build,
+            as_dict=hp.as_dict,
+            source=source_name,
+            shard_id=shard_id,
+            length=None if source is None else source.num_batches(),
+        )
 
     def train_dataloader(self) -> DALILoader:
         return self._loader(train=True)

@@ -26,7 +26,8 @@ class ResumableSampler(DistributedSampler):
     """Seeded, rank-sharded sampler that can skip the first ``n`` samples of its next epoch.
 
     Works in a single process too: ``num_replicas`` and ``rank`` default to the process group's, read
-    when an epoch starts (so a loader built before ``Trainer.fit`` shards right), else 1 and 0. The order depends only on ``seed`` and the epoch, never on global RNG state.
+    when an epoch starts (so a loader built before ``Trainer.fit`` shards right), else 1 and 0. The
+    order depends only on ``seed`` and the epoch, never on global RNG state.
     """
 
     def __init__(
@@ -41,7 +42,9 @@ class ResumableSampler(DistributedSampler):
         # Loaders are often built before Trainer.fit creates the process group: without an explicit
         # num_replicas/rank, they are read from the process group each time an epoch starts.
         self._from_process_group = num_replicas is None and rank is None
-        super().__init__(dataset, num_replicas=num_replicas or 1, rank=rank or 0, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        super().__init__(
+            dataset, num_replicas=num_replicas or 1, rank=rank or 0, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
         self._skip = 0
         self._follow_process_group()
 
@@ -54,7 +57,9 @@ class ResumableSampler(DistributedSampler):
         self.num_replicas, self.rank = replicas, rank
         n = len(self.dataset)  # type: ignore[arg-type]
         # DistributedSampler's own sizing, redone for the new world size.
-        self.num_samples = math.ceil((n - replicas) / replicas) if self.drop_last and n % replicas else math.ceil(n / replicas)
+        self.num_samples = (
+            math.ceil((n - replicas) / replicas) if self.drop_last and n % replicas else math.ceil(n / replicas)
+        )
         self.total_size = self.num_samples * replicas
 
     def __len__(self) -> int:

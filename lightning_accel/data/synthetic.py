@@ -23,13 +23,15 @@ class _TensorDataModule(LightningDataModule):
         self.val_set: TensorDataset | None = None
 
     def train_dataloader(self) -> ResumableDataLoader:
-        assert self.train_set is not None, "call setup() first"
+        if self.train_set is None:
+            raise RuntimeError(f"{type(self).__name__}.train_dataloader() before setup(): call dm.setup('fit') first")
         return ResumableDataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, seed=self.seed, num_workers=self.num_workers
         )
 
     def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None, "call setup() first"
+        if self.val_set is None:
+            raise RuntimeError(f"{type(self).__name__}.val_dataloader() before setup(): call dm.setup('fit') first")
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
 
 

@@ -29,7 +29,11 @@ def nvml_handle(nvml: Any, cuda_uuid: str, cuda_index: int) -> Any:
     except Exception as err:
         log.warning(
             "NVML does not know CUDA device %d by UUID %s (%s): reading NVML device %d, which is another GPU "
-            "if CUDA_VISIBLE_DEVICES reorders them", cuda_index, uuid, err, cuda_index,
+            "if CUDA_VISIBLE_DEVICES reorders them",
+            cuda_index,
+            uuid,
+            err,
+            cuda_index,
         )
         return nvml.nvmlDeviceGetHandleByIndex(cuda_index)
 

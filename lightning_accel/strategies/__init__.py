@@ -1,8 +1,24 @@
 """DDP, DeepSpeed ZeRO and FSDP2 presets, registered as Lightning strategy strings."""
 
-from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero_config
+from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero3_config
 from lightning_accel.strategies.fsdp import AccelFSDPStrategy, find_block_classes
 from lightning_accel.strategies.presets import PRESETS, Preset, check_strategy_name, register_presets
-from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit
+from lightning_accel.strategies.process_group import (
+    AccelDDPStrategy,
+    close_gloo_process_group,
+    close_gloo_process_group_at_exit,
+)
 
-__all__ = ["PRESETS", "AccelDeepSpeedStrategy", "AccelFSDPStrategy", "Preset", "check_strategy_name", "close_gloo_process_group_at_exit", "find_block_classes", "register_presets", "zero_config"]
+__all__ = [
+    "PRESETS",
+    "AccelDDPStrategy",
+    "AccelDeepSpeedStrategy",
+    "AccelFSDPStrategy",
+    "Preset",
+    "check_strategy_name",
+    "close_gloo_process_group",
+    "close_gloo_process_group_at_exit",
+    "find_block_classes",
+    "register_presets",
+    "zero3_config",
+]

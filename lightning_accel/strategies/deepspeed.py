@@ -1,67 +1,69 @@
-"""DeepSpeed ZeRO configs for the ``accel_zero*`` presets.
+"""DeepSpeed ZeRO for the ``accel_zero*`` presets.
 
-Lightning fills in what depends on the run (micro-batch size, gradient accumulation, clipping,
-fp16/bf16 sections from ``Trainer(precision=...)``); these configs set only the sharding choices.
+Stages 1-2 are Lightning's own ``DeepSpeedStrategy(stage=..., offload_optimizer=...)``; only ZeRO-3
+gets a config of ours (:func:`zero3_config`), for the knobs Lightning has no arguments for. Lightning
+fills in what depends on the run (micro-batch size, gradient accumulation, clipping, fp16/bf16
+sections from ``Trainer(precision=...)``).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 
-def zero_config(stage: int, offload_optimizer: bool = False, offload_params: bool = False, bucket_mb: int = 200) -> dict[str, Any]:
-    """ZeRO config for ``stage`` 1, 2 or 3, optionally offloading optimizer state / parameters to CPU.
+def zero3_config(offload: bool = False, bucket_mb: int = 200) -> dict[str, Any]:
+    """ZeRO-3 config (parameters, gradients and optimizer state sharded), optionally offloaded to CPU.
 
     Args:
-        stage: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
-        offload_optimizer: Keep optimizer state (and its step) in pinned CPU memory.
-        offload_params: Keep parameters in pinned CPU memory (stage 3 only).
-        bucket_mb: Size of the reduce/all-gather buckets, in MB (larger overlaps better on fast links).
+        offload: Keep optimizer state and parameters in pinned CPU memory (largest models, slowest).
+        bucket_mb: Size of the reduce/all-gather/prefetch buckets, in MB (larger overlaps better on fast links).
     """
-    if stage not in (1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-    if offload_params and stage != 3:
-        raise ValueError("offload_params needs ZeRO stage 3 (only stage 3 shards parameters)")
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
     bucket = bucket_mb * 1_000_000
     zero: dict[str, Any] = {
-        "stage": stage,
+        "stage": 3,
         "overlap_comm": True,  # overlap gradient reduction with the backward pass
         "contiguous_gradients": True,  # avoid fragmentation when gradients are copied into buckets
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": bucket,
+        "stage3_param_persistence_threshold": 100_000,  # small params stay whole: fewer tiny all-gathers
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_gather_16bit_weights_on_model_save": True,  # checkpoints hold full weights
     }
-    if stage == 3:
-        zero.update(
-            stage3_prefetch_bucket_size=bucket,
-            stage3_param_persistence_threshold=100_000,  # small params stay whole: fewer tiny all-gathers
-            stage3_max_live_parameters=1_000_000_000,
-            stage3_gather_16bit_weights_on_model_save=True,  # checkpoints hold full weights
-        )
-    if offload_optimizer:
+    if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {
-        "zero_optimization": zero,
-        # Any torch optimizer works: DeepSpeed only checks that its own CPU Adam is used with offload.
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-    }
+    return {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
 
 
 class AccelDeepSpeedStrategy(DeepSpeedStrategy):
-    """``DeepSpeedStrategy`` that refuses a non-CUDA accelerator at ``Trainer(...)`` time.
+    """``DeepSpeedStrategy`` that offloads with any torch optimizer and refuses a CPU machine at ``Trainer(...)``.
 
-    Lightning checks this for its own ``deepspeed_*`` names only; without the check a preset string on
-    a CPU machine would fail later, deep inside DeepSpeed.
+    Takes ``DeepSpeedStrategy``'s arguments unchanged.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("config"), dict):
+            # Lightning writes run settings (batch size, precision) into the dict: never into a preset's.
+            kwargs["config"] = copy.deepcopy(kwargs["config"])
+        super().__init__(*args, **kwargs)
+        # DeepSpeed insists on its own CPU Adam when offloading; any torch optimizer works.
+        self.config.setdefault("zero_force_ds_cpu_optimizer", False)
+
+    # Checked when the Trainer connects the accelerator, i.e. at ``Trainer(...)``. Lightning's own check
+    # (in setup_environment, at fit) comes after its launcher has written MASTER_ADDR, MASTER_PORT and
+    # LOCAL_RANK into os.environ: a later DDP run in the same process (a notebook, a test session) then
+    # takes itself for an already-launched rank and waits for peers forever. Seen in our test suite.
+    # Only the public ``accelerator`` property is overridden, delegating storage to Lightning's.
     @property
     def accelerator(self) -> Accelerator | None:
-        return self._accelerator
+        return DeepSpeedStrategy.accelerator.fget(self)
 
     @accelerator.setter
     def accelerator(self, accelerator: Accelerator | None) -> None:
@@ -70,4 +72,4 @@ class AccelDeepSpeedStrategy(DeepSpeedStrategy):
                 f"DeepSpeed ZeRO presets need CUDA GPUs, but the accelerator is {type(accelerator).__name__}. "
                 "On CPU use strategy='accel_ddp' or 'accel_fsdp_fp32' (FSDP2, runs on gloo)."
             )
-        self._accelerator = accelerator
+        DeepSpeedStrategy.accelerator.fset(self, accelerator)

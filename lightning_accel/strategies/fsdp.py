@@ -16,13 +16,15 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lightning_accel._compat import materialize_distributed_module, optimizers_to_device, set_data_parallel_size
+from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,11 @@ class AccelFSDPStrategy(ModelParallelStrategy):
             log.warning("no repeated blocks found in %s: sharding it as one unit", type(module).__name__)
         if self.activation_checkpointing and blocks:
             apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, tuple(blocks)))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.mixed_precision else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.mixed_precision
+            else MixedPrecisionPolicy()
+        )
         kwargs: dict[str, Any] = {"mesh": self.device_mesh["data_parallel"], "mp_policy": mp}
         for m in list(module.modules()):
             if isinstance(m, tuple(blocks)):
@@ -104,14 +110,27 @@ class AccelFSDPStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         # Pure data parallelism: every process is one shard ("auto" would give one shard per node).
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        if torch.distributed.get_backend() == "gloo":
+            close_gloo_process_group_at_exit()
+
     def setup(self, trainer: Trainer) -> None:
-        # ModelParallelStrategy.setup, with our automatic sharding in place of the required configure_model.
-        assert self.model is not None and self.accelerator is not None
+        # ModelParallelStrategy.setup (its digest is pinned in _compat.py), with our automatic sharding
+        # in place of the configure_model() it requires.
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None and self.accelerator is not None  # set by the Trainer before setup()
         self.accelerator.setup(trainer)
-        _materialize_distributed_module(self.model, self.root_device)
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError(
+                f"{type(self).__name__} shards with FSDP2 itself, but the model already holds FSDP1 "
+                "FullyShardedDataParallel modules: remove that wrapping, or use strategy='fsdp'"
+            )
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.shard(self.model)
@@ -119,3 +138,5 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizers_to_device(self.optimizers, self.root_device)

@@ -9,10 +9,11 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
-from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero_config
+from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero3_config
 from lightning_accel.strategies.fsdp import AccelFSDPStrategy
+from lightning_accel.strategies.process_group import AccelDDPStrategy
 
 
 @dataclass(frozen=True)
@@ -31,23 +32,33 @@ _DDP = {
 }
 
 PRESETS: dict[str, Preset] = {
-    "accel_ddp": Preset(DDPStrategy, "DDP with 100 MB buckets and gradients as bucket views", dict(_DDP)),
+    "accel_ddp": Preset(AccelDDPStrategy, "DDP with 100 MB buckets and gradients as bucket views", dict(_DDP)),
     "accel_ddp_static": Preset(
-        DDPStrategy,
+        AccelDDPStrategy,
         "accel_ddp plus static_graph=True (same parameters used every step: enables more overlap)",
         {**_DDP, "static_graph": True},
     ),
-    "accel_zero2": Preset(AccelDeepSpeedStrategy, "DeepSpeed ZeRO-2: shard optimizer state and gradients", {"config": zero_config(2)}),
-    "accel_zero2_offload": Preset(
-        AccelDeepSpeedStrategy, "ZeRO-2 with optimizer state offloaded to CPU", {"config": zero_config(2, offload_optimizer=True)}
+    "accel_zero2": Preset(
+        AccelDeepSpeedStrategy, "DeepSpeed ZeRO-2: shard optimizer state and gradients", {"stage": 2}
     ),
-    "accel_zero3": Preset(AccelDeepSpeedStrategy, "DeepSpeed ZeRO-3: also shard parameters", {"config": zero_config(3)}),
+    "accel_zero2_offload": Preset(
+        AccelDeepSpeedStrategy,
+        "ZeRO-2 with optimizer state offloaded to CPU",
+        {"stage": 2, "offload_optimizer": True, "pin_memory": True},
+    ),
+    "accel_zero3": Preset(
+        AccelDeepSpeedStrategy, "DeepSpeed ZeRO-3: also shard parameters", {"config": zero3_config()}
+    ),
     "accel_zero3_offload": Preset(
         AccelDeepSpeedStrategy,
         "ZeRO-3 with optimizer state and parameters offloaded to CPU (largest models, slowest)",
-        {"config": zero_config(3, offload_optimizer=True, offload_params=True)},
+        {"config": zero3_config(offload=True)},
     ),
-    "accel_fsdp": Preset(AccelFSDPStrategy, "FSDP2 auto-sharding each repeated block, bf16 compute, fp32 reduce", {"mixed_precision": "bf16"}),
+    "accel_fsdp": Preset(
+        AccelFSDPStrategy,
+        "FSDP2 auto-sharding each repeated block, bf16 compute, fp32 reduce",
+        {"mixed_precision": "bf16"},
+    ),
     "accel_fsdp_fp32": Preset(AccelFSDPStrategy, "FSDP2 auto-sharding in fp32 (runs on CPU/gloo too)", {}),
     "accel_fsdp_ac": Preset(
         AccelFSDPStrategy,

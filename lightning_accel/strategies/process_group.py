@@ -12,6 +12,10 @@ reference cycle (trainers, strategies and modules point at each other), which on
 collector frees. So the hook collects too, which joins gloo's threads now rather than during
 shutdown. FSDP2 is the exception: DTensor's sharding caches keep its device mesh, and so the group,
 alive, and no public API clears them.
+
+Nothing is registered on ``import lightning_accel``. Our strategies (``accel_ddp*``, ``accel_fsdp*``)
+register the hook when they create a gloo group, and so does the ``lightning-accel`` CLI; a program
+training with a stock strategy on gloo calls :func:`close_gloo_process_group_at_exit` itself.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import gc
 import logging
 
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +47,12 @@ def close_gloo_process_group_at_exit() -> None:
     """Register :func:`close_gloo_process_group` with ``atexit`` (idempotent: once per process)."""
     atexit.unregister(close_gloo_process_group)
     atexit.register(close_gloo_process_group)
+
+
+class AccelDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy``, plus the exit hook above when the process group uses gloo."""
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            close_gloo_process_group_at_exit()

@@ -1,4 +1,4 @@
-"""Run DeepSpeed's own engine on its CPU accelerator with our ZeRO configs (Lightning refuses CPU).
+"""Run DeepSpeed's own engine on its CPU accelerator with our ZeRO presets' configs (Lightning refuses CPU).
 
 Prints one JSON line per stage: {"stage": N, "losses": [...]}.
 """
@@ -7,18 +7,25 @@ import json
 import os
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # must be set before deepspeed is imported
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.update(
+    MASTER_ADDR="127.0.0.1",
+    MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
+    RANK="0",
+    WORLD_SIZE="1",
+    LOCAL_RANK="0",
+)
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
+import deepspeed
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_accel.strategies import zero_config  # noqa: E402
+import lightning_accel  # noqa: F401  (registers the presets)
 
 torch.manual_seed(0)
 x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
-for stage in (2, 3):
+for preset in ("accel_zero2", "accel_zero3"):
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-    config = {**zero_config(stage), "train_micro_batch_size_per_gpu": 16}
+    config = {**StrategyRegistry.get(preset).config, "train_micro_batch_size_per_gpu": 16}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     losses = []
     for _ in range(8):

@@ -26,8 +26,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
+from lightning_accel import (
+    PreemptionCheckpoint,
+    ResumableDataLoader,
+    close_gloo_process_group_at_exit,
+    find_resume_checkpoint,
+)
 from lightning_accel.checkpoint import Preempted
+from lightning_accel.testing import quiet_trainer_kwargs
 
 BATCH, SAMPLES, VAL_SAMPLES, EPOCHS = 4, 48, 12, 3
 BATCHES_PER_EPOCH = SAMPLES // BATCH  # 12: accumulation 3 steps at batches 2, 5, 8, 11 of each epoch
@@ -120,8 +126,16 @@ def build_data(cfg: dict[str, Any]) -> dict[str, Any]:
             return images, np.arange(len(ds))  # labels = sample ids
 
         dm = DALIImageDataModule(
-            train_arrays=arrays(train), val_arrays=arrays(val) if cfg["val"] else None, batch_size=BATCH,
-            image_size=6, scale=(0.5, 1.0), mean=(127.0,) * 3, std=(64.0,) * 3, device="cpu", num_threads=1, seed=3,
+            train_arrays=arrays(train),
+            val_arrays=arrays(val) if cfg["val"] else None,
+            batch_size=BATCH,
+            image_size=6,
+            scale=(0.5, 1.0),
+            mean=(127.0,) * 3,
+            std=(64.0,) * 3,
+            device="cpu",
+            num_threads=1,
+            seed=3,
         )
         return {"datamodule": dm}
     if cfg["loader"] == "stateful":
@@ -152,14 +166,18 @@ class SendSigterm(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.kind == "first" or (self.kind == "train" and trainer.current_epoch * BATCHES_PER_EPOCH + batch_idx == self.at):
+        if self.kind == "first" or (
+            self.kind == "train" and trainer.current_epoch * BATCHES_PER_EPOCH + batch_idx == self.at
+        ):
             self._send(trainer)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self.validations += 1
 
-    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if self.kind == "sanity" and trainer.sanity_checking:
             self._send(trainer)
         if self.kind == "val" and not trainer.sanity_checking and self.validations == 1 and batch_idx == self.at:
@@ -174,12 +192,25 @@ def fit(cfg: dict[str, Any], ckpt_dir: Path, stop: str | None) -> tuple[int, Tra
     ]
     if stop is not None:
         callbacks.append(SendSigterm(stop, cfg["accumulate"], rank=1 if cfg["devices"] > 1 else 0))
+    validation = (
+        {
+            "limit_val_batches": 1.0,
+            "num_sanity_val_steps": 2,
+            "val_check_interval": VAL_EVERY,
+            "check_val_every_n_epoch": None,
+        }
+        if cfg["val"]
+        else {}
+    )
     trainer = Trainer(
-        accelerator="cpu", devices=cfg["devices"], strategy="ddp" if cfg["devices"] > 1 else "auto",
-        max_epochs=EPOCHS, accumulate_grad_batches=cfg["accumulate"], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, default_root_dir=str(ckpt_dir.parent),
-        limit_val_batches=1.0 if cfg["val"] else 0, num_sanity_val_steps=2 if cfg["val"] else 0,
-        val_check_interval=VAL_EVERY if cfg["val"] else None, check_val_every_n_epoch=None if cfg["val"] else 1,
+        accelerator="cpu",
+        devices=cfg["devices"],
+        strategy="ddp" if cfg["devices"] > 1 else "auto",
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=cfg["accumulate"],
+        callbacks=callbacks,
+        default_root_dir=str(ckpt_dir.parent),
+        **quiet_trainer_kwargs(**validation),
     )
     try:
         trainer.fit(model, ckpt_path=find_resume_checkpoint(ckpt_dir), **build_data(cfg))
@@ -203,7 +234,11 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     diffs = [f"model.{k}" for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     for pid in sa:
-        diffs += [f"optimizer.{pid}.{k}" for k in sa[pid] if not torch.equal(torch.as_tensor(sa[pid][k]), torch.as_tensor(sb[pid][k]))]
+        diffs += [
+            f"optimizer.{pid}.{k}"
+            for k in sa[pid]
+            if not torch.equal(torch.as_tensor(sa[pid][k]), torch.as_tensor(sb[pid][k]))
+        ]
     diffs += [name for name in ("lr", "global_step") if a[name] != b[name]]
     return diffs
 
@@ -212,8 +247,10 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
     torch.set_num_threads(1)
+    close_gloo_process_group_at_exit()  # stock "ddp" on gloo, as a user would run it
     code, trainer, model = fit(cfg, out / "reference" / "ck", None)
-    assert code == 0
+    if code != 0:
+        raise SystemExit(f"the uninterrupted reference run exited with code {code}")
     reference, reference_seen = final_state(trainer, model), list(model.seen)
     results: dict[str, Any] = {}
     for name in cfg["scenarios"]:
@@ -231,7 +268,10 @@ def main() -> None:
             "codes": codes,
             "differences": differences(reference, final_state(trainer, model)),
             "seen_equal": seen == reference_seen,
-            "seen_first_mismatch": next((i for i, (a, b) in enumerate(zip(seen, reference_seen)) if a != b), min(len(seen), len(reference_seen))),
+            "seen_first_mismatch": next(
+                (i for i, (a, b) in enumerate(zip(seen, reference_seen, strict=False)) if a != b),
+                min(len(seen), len(reference_seen)),
+            ),
             "seen_lengths": [len(seen), len(reference_seen)],
         }
     (out / f"result_rank{trainer.global_rank}.json").write_text(json.dumps(results, indent=1))

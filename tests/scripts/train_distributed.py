@@ -1,6 +1,6 @@
 """Two-rank training used by the strategy tests: writes each rank's final weights and losses.
 
-    python tests/scripts/train_distributed.py --strategy accel_ddp --out DIR [--devices 2]
+python tests/scripts/train_distributed.py --strategy accel_ddp --out DIR [--devices 2]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from lightning_accel import CompileCallback
 from lightning_accel.data import SyntheticTokenDataModule
 from lightning_accel.models import TinyGPT
 from lightning_accel.strategies import AccelFSDPStrategy
+from lightning_accel.testing import quiet_trainer_kwargs
 
 
 class RecordLoss(Callback):
@@ -59,9 +60,12 @@ def main() -> None:
         callbacks.append(CompileCallback(backend="aot_eager"))
     strategy = AccelFSDPStrategy(activation_checkpointing=True) if args.activation_checkpointing else args.strategy
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=callbacks,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        callbacks=callbacks,
+        **quiet_trainer_kwargs(enable_checkpointing=True),
     )
     trainer.fit(model, datamodule=dm)
     rank = trainer.global_rank

@@ -1,6 +1,6 @@
 """Training run used by the preemption tests: deterministic, resumable, optionally slow and multi-rank.
 
-    python tests/scripts/train_resumable.py --ckpt-dir D --out W.pt [--resume] [--progress P --step-delay S]
+python tests/scripts/train_resumable.py --ckpt-dir D --out W.pt [--resume] [--progress P --step-delay S]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.data import SyntheticTokenDataModule
 from lightning_accel.models import TinyGPT
+from lightning_accel.testing import QUIET_TRAINER
 
 
 class GPTWithScheduler(TinyGPT):
@@ -56,18 +57,15 @@ def main() -> None:
     seed_everything(1234)
     model = GPTWithScheduler(vocab_size=32, seq_len=16, d_model=32, n_layers=2, n_heads=2, dropout=0.1)
     dm = SyntheticTokenDataModule(num_samples=160, val_samples=16, seq_len=16, vocab_size=32, batch_size=8, seed=5)
-    ckpt = PreemptionCheckpoint(args.ckpt_dir, keep_last=2, async_save=args.async_save, every_n_steps=args.every_n_steps)
+    ckpt = PreemptionCheckpoint(
+        args.ckpt_dir, keep_last=2, async_save=args.async_save, every_n_steps=args.every_n_steps
+    )
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy="accel_ddp" if args.devices > 1 else "auto",
         max_steps=args.max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         callbacks=[ckpt, Progress(args.progress, args.step_delay)],
     )
     ckpt_path = find_resume_checkpoint(args.ckpt_dir) if args.resume else None

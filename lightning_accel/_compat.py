@@ -1,0 +1,52 @@
+"""Every Lightning private name lightning-accel relies on, and nowhere else.
+
+Lightning has no public API for these. Each is imported or read here only, and
+``tests/test_compat.py`` checks each one against the installed Lightning, so an upgrade that
+renames or changes one fails that test by name instead of breaking a training run later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from lightning.fabric.connector import _PRECISION_INPUT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS_CONVERSION
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
+
+# The type of ``Trainer(precision=...)``: our CLI's Trainer accepts the same values (plus "auto-mixed").
+PrecisionInput = _PRECISION_INPUT
+# The precision strings Lightning accepts, and its short aliases ("bf16" -> "bf16-mixed").
+PRECISION_STRINGS: tuple[str, ...] = get_args(_PRECISION_INPUT_STR)
+PRECISION_ALIASES: dict[str, str] = dict(_PRECISION_INPUT_STR_ALIAS_CONVERSION)
+
+# Moves meta-device parameters to real memory and runs ``reset_parameters`` (ModelParallelStrategy.setup).
+materialize_distributed_module = _materialize_distributed_module
+# Moves optimizer state to a device (ModelParallelStrategy.setup, after the optimizers are created).
+optimizers_to_device = _optimizers_to_device
+
+# sha256 of ``inspect.getsource(ModelParallelStrategy.setup)`` (first 16 hex digits) that
+# ``AccelFSDPStrategy.setup`` mirrors. A Lightning release that changes that method fails
+# tests/test_compat.py: compare the two and update ours before updating this digest.
+MODEL_PARALLEL_SETUP_DIGEST = "fdf402066d49c198"
+
+
+def set_data_parallel_size(strategy: ModelParallelStrategy, size: int) -> None:
+    """Fix the data-parallel mesh size (the constructor only takes ``"auto"``: one shard per node)."""
+    strategy._data_parallel_size = size
+
+
+def saves_distributed_checkpoint(strategy: Strategy) -> bool:
+    """Whether ``strategy`` writes a sharded checkpoint folder instead of one file (FSDP, ModelParallel)."""
+    return bool(getattr(strategy, "_save_distributed_checkpoint", False))
+
+
+def is_last_batch(trainer: Trainer) -> bool:
+    """Whether the batch the fit loop is on is its epoch's last (Lightning's private loop classes)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
+    """The keyword arguments ``strategy`` passes to ``DistributedDataParallel`` (read by our preset tests)."""
+    return dict(strategy._ddp_kwargs)

@@ -1,0 +1,116 @@
+"""Each Lightning private name in lightning_accel/_compat.py, checked against the installed Lightning.
+
+A failure here after a Lightning upgrade names what moved; fix _compat.py (and only it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+from lightning_accel import _compat
+from lightning_accel.strategies import AccelFSDPStrategy
+
+PACKAGE = Path(_compat.__file__).parent
+# "from lightning.x import _name", "lightning.x._name", getattr(obj, "_name"), and the private
+# attributes of Lightning objects we once read (kept here so they cannot come back unnoticed).
+PRIVATE = re.compile(
+    r"from lightning(\.\w+)* import .*\b_[a-zA-Z]|\blightning(\.\w+)*\._[a-z]|getattr\([^)]*[\"']_[a-z]"
+    r"|\._(save_distributed_checkpoint|data_parallel_size|ddp_kwargs|accelerator)\b|\.batch_progress\b"
+)
+
+
+def test_precision_strings_and_aliases_are_lightnings():
+    assert set(_compat.PRECISION_STRINGS) >= {"16-mixed", "bf16-mixed", "bf16-true", "32-true", "64-true"}
+    assert _compat.PRECISION_ALIASES == {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+    for value in (*_compat.PRECISION_STRINGS, *_compat.PRECISION_ALIASES):
+        try:
+            Trainer(precision=value, accelerator="cpu", logger=False)
+        except ModuleNotFoundError:  # accepted, but needs Transformer Engine installed
+            assert value.startswith("transformer-engine")
+    with pytest.raises(ValueError, match="Precision 'bogus' is invalid"):
+        Trainer(precision="bogus", accelerator="cpu", logger=False)
+
+
+def test_model_parallel_setup_is_the_one_accel_fsdp_mirrors():
+    source = inspect.getsource(ModelParallelStrategy.setup)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    assert digest == _compat.MODEL_PARALLEL_SETUP_DIGEST, (
+        "Lightning changed ModelParallelStrategy.setup: compare it with AccelFSDPStrategy.setup, carry the change "
+        f"over, then set MODEL_PARALLEL_SETUP_DIGEST = {digest!r}.\n{source}"
+    )
+    # Every call the original makes, ours makes too (the digest pins the original, this pins ours).
+    ours = inspect.getsource(AccelFSDPStrategy.setup)
+    for call in (
+        "accelerator.setup",
+        "materialize_distributed_module",
+        "convert_module",
+        "model_to_device",
+        "barrier",
+        "setup_optimizers",
+        "setup_precision_plugin",
+        "optimizers_to_device",
+    ):
+        assert call in source and call in ours, call
+
+
+def test_materialize_and_optimizers_to_device_still_work():
+    with torch.device("meta"):
+        module = torch.nn.Linear(3, 2)
+    _compat.materialize_distributed_module(module, torch.device("cpu"))
+    assert module.weight.device.type == "cpu" and torch.isfinite(module.weight).all()
+    optimizer = torch.optim.Adam(module.parameters())
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    _compat.optimizers_to_device([optimizer], torch.device("cpu"))
+    assert optimizer.state[module.weight]["exp_avg"].device.type == "cpu"
+
+
+def test_strategy_attributes_still_exist():
+    strategy = ModelParallelStrategy(save_distributed_checkpoint=True)
+    assert strategy._data_parallel_size == "auto"  # what set_data_parallel_size replaces
+    _compat.set_data_parallel_size(strategy, 4)
+    assert strategy._data_parallel_size == 4
+    assert _compat.saves_distributed_checkpoint(strategy) is True
+    assert _compat.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=False)) is False
+    assert _compat.ddp_kwargs(DDPStrategy(bucket_cap_mb=7)) == {"bucket_cap_mb": 7}
+
+
+def test_is_last_batch_follows_the_fit_loop(tmp_path):
+    seen = []
+
+    class Probe(BoringModel):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen.append(_compat.is_last_batch(self.trainer))
+
+    trainer = Trainer(
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(Probe())
+    assert seen == [False, False, True]
+
+
+def test_private_lightning_names_only_in_compat():
+    offenders = []
+    root = PACKAGE.parent
+    for path in [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]:
+        if path.name in ("_compat.py", "test_compat.py"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if PRIVATE.search(line):
+                offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not offenders, "Lightning private names outside _compat.py:\n" + "\n".join(offenders)
