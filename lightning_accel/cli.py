@@ -1,7 +1,9 @@
 """``lightning-accel`` command line: LightningCLI with our recipes, ``precision: auto-mixed`` and ``ckpt_path: auto``.
 
-lightning-accel fit --config recipes/tiny_gpt_cpu.yaml
-lightning-accel fit --config recipes/tiny_gpt_cpu.yaml --trainer.max_steps 50 --ckpt_path auto
+Usage::
+
+    lightning-accel fit --config recipes/tiny_gpt_cpu.yaml
+    lightning-accel fit --config recipes/tiny_gpt_cpu.yaml --trainer.max_steps 50 --ckpt_path auto
 """
 
 from __future__ import annotations

@@ -115,8 +115,7 @@ class AccelFSDPStrategy(ModelParallelStrategy):
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        if torch.distributed.get_backend() == "gloo":
-            close_gloo_process_group_at_exit()
+        close_gloo_process_group_at_exit()  # closes the group at exit only if it is gloo
 
     def setup(self, trainer: Trainer) -> None:
         # ModelParallelStrategy.setup (its digest is pinned in _compat.py), with our automatic sharding

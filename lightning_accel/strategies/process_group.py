@@ -14,8 +14,9 @@ shutdown. FSDP2 is the exception: DTensor's sharding caches keep its device mesh
 alive, and no public API clears them.
 
 Nothing is registered on ``import lightning_accel``. Our strategies (``accel_ddp*``, ``accel_fsdp*``)
-register the hook when they create a gloo group, and so does the ``lightning-accel`` CLI; a program
-training with a stock strategy on gloo calls :func:`close_gloo_process_group_at_exit` itself.
+register the hook when they set up their process group (it acts at exit only on gloo), and so does
+the ``lightning-accel`` CLI; a program training with a stock strategy on gloo calls
+:func:`close_gloo_process_group_at_exit` itself.
 """
 
 from __future__ import annotations
@@ -50,9 +51,8 @@ def close_gloo_process_group_at_exit() -> None:
 
 
 class AccelDDPStrategy(DDPStrategy):
-    """Lightning's ``DDPStrategy``, plus the exit hook above when the process group uses gloo."""
+    """Lightning's ``DDPStrategy``, plus the exit hook above (a no-op at exit unless the group is gloo)."""
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        if dist.is_initialized() and dist.get_backend() == "gloo":
-            close_gloo_process_group_at_exit()
+        close_gloo_process_group_at_exit()
