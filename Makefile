@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 RECIPE ?= recipes/tiny_gpt_cpu.yaml
 
-.PHONY: demo lint test test-fast bench clean
+.PHONY: demo lint test test-fast bench clean prometheus-server
 
 # torch==2.13.0 first: it is the CPU build lying on this disk; a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -21,7 +21,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# tests/test_prometheus.py scrapes our exporter with a real Prometheus server: Debian's package.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+prometheus-server:
+	@command -v prometheus >/dev/null || { \
+		echo "installing Debian's prometheus (tests read our metrics back through it)"; \
+		$(SUDO) apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }; }
+
+test: lint prometheus-server
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared check for a lent H200 (no network there). Its sections' time limits add up to 460 s, so
-# with the wheel install it ends inside 8 minutes, whatever hangs. It writes
+# One prepared check for a lent H200 (no network there). Its sections' time limits add up to 490 s, so
+# with the wheel install it ends inside the 540 s call, whatever hangs. It writes
 # JSON, PNG and logs (packed into $OUT on the device, see below; elsewhere: benchmarks/results/gpu).
 #
 # Through the device tool, from the repo root here (see docs/performance.md):
@@ -54,6 +54,7 @@ step() {  # step NAME SECONDS command...: each section is bounded and never stop
 step precision_compile 150 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
 step gpu_tests 90 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_monitor.py \
+  "tests/test_goodput.py::test_gpu_kernels_are_charged_to_compute" \
   "tests/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/test_data_dali.py::test_gpu_mixed_decode"
 # 3. single-GPU strategies: plain vs accel_zero2 vs accel_fsdp
 step strategies 110 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
@@ -65,5 +66,7 @@ if $PY -c "import nvidia.dali" 2>/dev/null; then
 else
   echo "dataloading skipped: nvidia-dali-cuda120 is not installed on this machine" | tee -a "$RES/status.txt"
 fi
+# 6. the goodput ledger on a GPU (CUDA-synchronized buckets) beside Lightning's ThroughputMonitor
+step goodput 30 $PY -m benchmarks.goodput_attribution --gpu --steps 100 --rounds 1 --out "$RES"
 pack
 echo "== gpu_check summary =="; cat "$RES/status.txt"

@@ -13,7 +13,7 @@ from pathlib import Path
 from lightning.pytorch import seed_everything
 
 from benchmarks.harness import RESULTS, quiet_trainer, write
-from lightning_accel import CompileCallback, ThroughputCallback
+from lightning_accel import GoodputMonitor, TorchCompile
 from lightning_accel.data import SyntheticTokenDataModule
 from lightning_accel.models import TinyGPT
 
@@ -33,8 +33,8 @@ def measure(precision: str, compiled: bool, steps: int, gpu: bool, size: dict) -
     dm = SyntheticTokenDataModule(
         num_samples=size["batch"] * (steps + 2), seq_len=size["seq"], vocab_size=size["vocab"], batch_size=size["batch"]
     )
-    monitor = ThroughputCallback(warmup_steps=min(10, steps // 3), summary=False, log_every_n_steps=10**9)
-    callbacks = [monitor] + ([CompileCallback()] if compiled else [])
+    monitor = GoodputMonitor(warmup_steps=min(10, steps // 3), summary=False, plot=False, every_n_steps=10**9)
+    callbacks = [monitor] + ([TorchCompile()] if compiled else [])
     trainer = quiet_trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=1,

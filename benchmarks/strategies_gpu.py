@@ -18,7 +18,7 @@ from lightning.pytorch import seed_everything
 
 import lightning_accel  # noqa: F401
 from benchmarks.harness import RESULTS, quiet_trainer, write
-from lightning_accel import ThroughputCallback
+from lightning_accel import GoodputMonitor
 from lightning_accel.data import SyntheticTokenDataModule
 from lightning_accel.models import TinyGPT
 
@@ -29,7 +29,7 @@ def measure(strategy: str, steps: int) -> dict[str, float]:
     dm = SyntheticTokenDataModule(
         num_samples=32 * (steps + 2), seq_len=512, vocab_size=8192, batch_size=32, num_workers=2
     )
-    monitor = ThroughputCallback(warmup_steps=10, summary=False, log_every_n_steps=10**9)
+    monitor = GoodputMonitor(warmup_steps=10, summary=False, plot=False, every_n_steps=10**9)
     trainer = quiet_trainer(
         accelerator="gpu",
         devices=1,

@@ -5,9 +5,9 @@ Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/arch
 """
 
 from lightning_accel.checkpoint import AtomicCheckpointIO, Preempted, PreemptionCheckpoint, find_resume_checkpoint
-from lightning_accel.compile import CompileCallback
+from lightning_accel.compile import CompileCallback, TorchCompile
 from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
-from lightning_accel.monitor import ThroughputCallback, UtilizationMonitor
+from lightning_accel.monitor import GoodputMonitor, PrometheusExporter, ThroughputCallback, UtilizationMonitor
 from lightning_accel.precision import auto_precision, choose_precision
 from lightning_accel.strategies import PRESETS, close_gloo_process_group_at_exit, register_presets
 
@@ -18,12 +18,15 @@ __all__ = [
     "PRESETS",
     "AtomicCheckpointIO",
     "CompileCallback",
+    "GoodputMonitor",
     "Preempted",
     "PreemptionCheckpoint",
+    "PrometheusExporter",
     "ResumableDataLoader",
     "SyntheticClassificationDataModule",
     "SyntheticTokenDataModule",
     "ThroughputCallback",
+    "TorchCompile",
     "UtilizationMonitor",
     "auto_precision",
     "choose_precision",

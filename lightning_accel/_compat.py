@@ -50,3 +50,11 @@ def is_last_batch(trainer: Trainer) -> bool:
 def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
     """The keyword arguments ``strategy`` passes to ``DistributedDataParallel`` (read by our preset tests)."""
     return dict(strategy._ddp_kwargs)
+
+
+# Lightning's profiler action names the goodput ledger charges (``Trainer.profiler.start/stop``). The loop's
+# class name is private and part of the fetch action's name; the others are documented profiler output.
+TRAIN_FETCH_ACTION = "[_TrainingEpochLoop].train_dataloader_next"
+TRAINING_BATCH_ACTION = "run_training_batch"
+SAVE_CHECKPOINT_ACTION = "save_checkpoint"
+STRATEGY_ACTION_PREFIX = "[Strategy]"  # + "<StrategyClass>.batch_to_device" / ".training_step"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -14,21 +15,31 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+COMPILE_ACTION = "torch_compile"  # profiler action around compiling calls; GoodputMonitor charges it to `compile`
+
+
 class _CompiledForward:
     """Replaces ``module.forward``: runs the compiled graph, falls back to eager if compilation fails.
 
-    Compilation is lazy in torch (it happens at the first call), so failures can only be caught here.
+    Compilation is lazy in torch (it happens at the first call), so failures can only be caught here. torch
+    compiles again when grad mode or train/eval mode changes (a sanity check, then training), so the first
+    call in each such mode is timed as compilation and announced to the Trainer's profiler.
     """
 
-    def __init__(self, owner: CompileCallback, name: str, module: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+    def __init__(self, owner: TorchCompile, name: str, module: nn.Module, compile_kwargs: dict[str, Any]) -> None:
         self.owner, self.name, self.module = owner, name, module
         self.eager: Callable[..., Any] = module.forward
         self.compiled: Callable[..., Any] = torch.compile(self.eager, **compile_kwargs)
-        self.first_call = True
+        self.seen_modes: set[tuple[bool, bool]] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.first_call:
+        mode = (torch.is_grad_enabled(), self.module.training)
+        if mode in self.seen_modes:
             return self.compiled(*args, **kwargs)
+        self.seen_modes.add(mode)
+        profiler = self.owner.profiler
+        if profiler is not None:
+            profiler.start(COMPILE_ACTION)
         start = time.perf_counter()
         try:
             out = self.compiled(*args, **kwargs)
@@ -40,17 +51,16 @@ class _CompiledForward:
             self.module.__dict__.pop("forward", None)  # restore the class's eager forward
             return self.module(*args, **kwargs)
         finally:
-            self.first_call = False
-        self.owner.compile_time_s[self.name] = time.perf_counter() - start
-        log.info(
-            "compiled %r in %.2fs (first call, includes the compiled run)",
-            self.name,
-            self.owner.compile_time_s[self.name],
-        )
+            elapsed = time.perf_counter() - start  # inside the profiler's region, never longer
+            if profiler is not None:
+                profiler.stop(COMPILE_ACTION)
+        self.owner.compile_time_s[self.name] = self.owner.compile_time_s.get(self.name, 0.0) + elapsed
+        self.owner.backward_pending |= mode[0]
+        log.info("compiled %r in %.2fs (first call with grad=%s, training=%s)", self.name, elapsed, *mode)
         return out
 
 
-class CompileCallback(Callback):
+class TorchCompile(Callback):
     """Compile the LightningModule's ``forward`` (or named submodules) with ``torch.compile`` at setup.
 
     Compilation is applied in place to ``forward``, not by wrapping the module, so parameter names,
@@ -69,7 +79,9 @@ class CompileCallback(Callback):
         fallback: On a compilation error, log a warning and run eagerly. ``False`` re-raises.
 
     Attributes:
-        compile_time_s: Seconds of the first (compiling) call per compiled module.
+        compile_time_s: Seconds of the compiling calls per module: the first forward in each grad/train mode
+            (that call's own run included); the first backward after a compiled forward is timed as
+            compilation too (AOTAutograd compiles the backward graph then), under ``"backward"``.
         failed: Modules that fell back to eager, with the error.
     """
 
@@ -93,22 +105,51 @@ class CompileCallback(Callback):
         self.compile_time_s: dict[str, float] = {}
         self.failed: dict[str, str] = {}
         self._patched: list[nn.Module] = []
+        self.profiler: Any = None  # the Trainer's, while fitting: compile time is announced to it
+        self.backward_pending = False
+        self._timing_backward: float | None = None
 
     def setup(
         self, trainer: Trainer, pl_module: LightningModule, stage: Literal["fit", "validate", "test", "predict"]
     ) -> None:
+        self.profiler = trainer.profiler
         if self._patched:  # setup runs again for every trainer.fit/validate call
             return
         for name in self.modules or [""]:
             try:
                 module = pl_module.get_submodule(name)
             except AttributeError as err:
-                raise ValueError(f"CompileCallback: {type(pl_module).__name__} has no submodule {name!r}") from err
+                raise ValueError(f"TorchCompile: {type(pl_module).__name__} has no submodule {name!r}") from err
             module.forward = _CompiledForward(self, name or type(pl_module).__name__, module, self.compile_kwargs)
             self._patched.append(module)
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.profiler = trainer.profiler  # a monitor may have wrapped it in its own setup
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self.backward_pending:
+            self.backward_pending = False
+            trainer.profiler.start(COMPILE_ACTION)
+            self._timing_backward = time.perf_counter()
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._timing_backward is not None:
+            elapsed = time.perf_counter() - self._timing_backward
+            trainer.profiler.stop(COMPILE_ACTION)
+            self.compile_time_s["backward"] = self.compile_time_s.get("backward", 0.0) + elapsed
+            self._timing_backward = None
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.profiler = None
         # Leave the user's module as we found it (eager), e.g. before it is pickled or reused.
         for module in self._patched:
             module.__dict__.pop("forward", None)
         self._patched.clear()
+
+
+class CompileCallback(TorchCompile):
+    """Deprecated alias of :class:`TorchCompile` (removed in 0.3)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn("CompileCallback is deprecated: use lightning_accel.TorchCompile", FutureWarning, stacklevel=2)
+        super().__init__(*args, **kwargs)

@@ -18,4 +18,4 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 def tiny_trainer_kwargs(tmp_path, **overrides):
     """Quiet, fast Trainer settings for tests."""
-    return quiet_trainer_kwargs(accelerator="cpu", devices=1, default_root_dir=str(tmp_path), **overrides)
+    return quiet_trainer_kwargs(**{"accelerator": "cpu", "devices": 1, "default_root_dir": str(tmp_path), **overrides})

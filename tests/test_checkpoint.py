@@ -45,6 +45,21 @@ def start_script(*args: str) -> subprocess.Popen:
     )
 
 
+def start_training(ckpts: Path, out: Path, progress: Path, step_delay: float, *extra: str) -> subprocess.Popen:
+    """A training run that reports its step in ``progress`` and sleeps ``step_delay`` per step (to be signalled)."""
+    return start_script(
+        "--ckpt-dir",
+        str(ckpts),
+        "--out",
+        str(out),
+        "--progress",
+        str(progress),
+        "--step-delay",
+        str(step_delay),
+        *extra,
+    )
+
+
 def wait_for_step(progress: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,17 +92,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_equal(tmp_path, devices, async
     progress = tmp_path / "progress"
     ckpts = tmp_path / "ckpts"
     # 20 batches per epoch: step 27 is mid-way through the second epoch
-    proc = start_script(
-        "--ckpt-dir",
-        str(ckpts),
-        "--out",
-        str(tmp_path / "run.pt"),
-        "--progress",
-        str(progress),
-        "--step-delay",
-        "0.15",
-        *common,
-    )
+    proc = start_training(ckpts, tmp_path / "run.pt", progress, 0.15, *common)
     wait_for_step(progress, 27, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=240)
@@ -114,19 +119,8 @@ def test_kill_9_at_random_moments_then_resume_is_bitwise_equal(tmp_path):
     ckpts, progress = tmp_path / "ckpts", tmp_path / "progress"
     reached = 0
     for _ in range(3):
-        proc = start_script(
-            "--ckpt-dir",
-            str(ckpts),
-            "--out",
-            str(tmp_path / "run.pt"),
-            "--progress",
-            str(progress),
-            "--step-delay",
-            "0.05",
-            "--every-n-steps",
-            "2",
-            "--async-save",
-            "--resume",
+        proc = start_training(
+            ckpts, tmp_path / "run.pt", progress, 0.05, "--every-n-steps", "2", "--async-save", "--resume"
         )
         wait_for_step(progress, reached + 3, proc)
         time.sleep(rng.uniform(0.0, 0.4))

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from lightning_accel.cli import build_cli
-from lightning_accel.monitor import ThroughputCallback
+from lightning_accel.monitor import GoodputMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -47,7 +47,7 @@ def test_recipe_trains_and_reports_throughput(tmp_path):
         ]
     )
     assert cli.trainer.global_step == 32  # 2048 samples / 64 per batch
-    monitor = next(c for c in cli.trainer.callbacks if isinstance(c, ThroughputCallback))
+    monitor = next(c for c in cli.trainer.callbacks if isinstance(c, GoodputMonitor))
     assert monitor.results["throughput/samples_per_sec"] > 0
     assert monitor.results["throughput/steps_measured"] == 32 - monitor.warmup_steps
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.profilers import SimpleProfiler
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_accel import _compat
@@ -102,6 +103,31 @@ def test_is_last_batch_follows_the_fit_loop(tmp_path):
     )
     trainer.fit(Probe())
     assert seen == [False, False, True]
+
+
+def test_profiler_actions_the_ledger_charges_are_the_ones_lightning_emits(tmp_path):
+    profiler = SimpleProfiler(dirpath=tmp_path, filename="profile")
+    trainer = Trainer(
+        max_steps=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+        profiler=profiler,
+    )
+    trainer.fit(BoringModel())
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    actions = set(profiler.recorded_durations)
+    strategy = f"{_compat.STRATEGY_ACTION_PREFIX}{type(trainer.strategy).__name__}"
+    expected = {
+        _compat.TRAIN_FETCH_ACTION,
+        _compat.TRAINING_BATCH_ACTION,
+        _compat.SAVE_CHECKPOINT_ACTION,
+        f"{strategy}.batch_to_device",
+        f"{strategy}.training_step",
+    }
+    assert expected <= actions, f"Lightning renamed profiler actions; GoodputMonitor misses {expected - actions}"
 
 
 def test_private_lightning_names_only_in_compat():

@@ -17,7 +17,7 @@ pytest.importorskip(
 )
 
 from lightning_accel.data import DALIImageDataModule
-from lightning_accel.monitor import ThroughputCallback
+from lightning_accel.monitor import GoodputMonitor
 
 from .conftest import requires_cuda, tiny_trainer_kwargs
 
@@ -160,7 +160,7 @@ class TinyCNN(LightningModule):
 
 def test_trains_with_lightning(image_dir, tmp_path):
     dm = DALIImageDataModule(train_dir=str(image_dir), batch_size=4, image_size=16, num_threads=1, device="cpu")
-    cb = ThroughputCallback(summary=False, warmup_steps=0)
+    cb = GoodputMonitor(summary=False, warmup_steps=0, plot=False)
     trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_epochs=2, callbacks=[cb]))
     trainer.fit(TinyCNN(), datamodule=dm)
     assert trainer.global_step == 2 * 6  # 24 images / 4 per batch, two epochs

@@ -1,4 +1,4 @@
-"""Throughput and utilization callbacks: exact FLOPs, hand-computed rates, data wait, NVML-less path."""
+"""GoodputMonitor throughput and UtilizationMonitor: exact FLOPs, hand-computed rates, data wait, NVML-less path."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from torch.utils.data import Dataset
 
 from lightning_accel.data import SyntheticClassificationDataModule, SyntheticTokenDataModule
 from lightning_accel.models import MLPClassifier, TinyGPT
-from lightning_accel.monitor import ThroughputCallback, UtilizationMonitor, cpu_peak_flops
-from lightning_accel.monitor.throughput import _Step
+from lightning_accel.monitor import GoodputMonitor, UtilizationMonitor, cpu_peak_flops
+from lightning_accel.monitor.goodput import _Mark
+from lightning_accel.monitor.ledger import BUCKETS
 
 from .conftest import requires_cuda, tiny_trainer_kwargs
 
@@ -28,7 +29,7 @@ def fit(tmp_path, model, dm, callbacks, **kw):
 
 
 def test_flops_are_exact_for_a_linear_stack(tmp_path):
-    cb = ThroughputCallback(summary=False)
+    cb = GoodputMonitor(summary=False, plot=False)
     model = MLPClassifier(input_dim=16, hidden_dim=32, num_layers=2, num_classes=4)
     fit(
         tmp_path,
@@ -43,23 +44,30 @@ def test_flops_are_exact_for_a_linear_stack(tmp_path):
     assert cb.flops_per_batch == 3 * sum(layer) - layer[0]
 
 
+def mark(batches: int, steps: int, samples: int, tokens: int | None, **seconds: float) -> _Mark:
+    return _Mark({b: seconds.get(b, 0.0) for b in BUCKETS}, 0.0, batches, steps, samples, tokens)
+
+
 def test_rates_and_mfu_match_hand_computation():
-    cb = ThroughputCallback(flops_per_batch=1e9)
+    cb = GoodputMonitor(flops_per_batch=1e9)
     cb.peak = 1e11
-    steps = [_Step(compute_s=0.08, wait_s=0.02, samples=32, tokens=32 * 64), _Step(0.06, 0.04, 32, 32 * 64)]
-    m = cb.compute(steps, world_size=2)
-    total = 0.2
-    assert m["throughput/samples_per_sec"] == pytest.approx(2 * 64 / total)
-    assert m["throughput/tokens_per_sec"] == pytest.approx(2 * 64 * 64 / total)
+    before = mark(2, 1, 64, 64 * 64, data=1.0, compute=1.0)
+    # 4 micro-batches (2 optimizer steps) of 32 samples x 64 tokens: 0.06 s data, 0.12 s compute, 0.02 s other,
+    # and 0.5 s of validation, which throughput leaves out.
+    after = mark(6, 3, 64 + 128, 64 * 64 + 128 * 64, data=1.06, compute=1.12, other=0.02, validation=0.5)
+    m = cb.rates(before, after, world_size=2)
+    train_s = 0.2
+    assert m["throughput/samples_per_sec"] == pytest.approx(2 * 128 / train_s)
+    assert m["throughput/tokens_per_sec"] == pytest.approx(2 * 128 * 64 / train_s)
+    assert m["throughput/batch_time_ms"] == pytest.approx(50.0)
     assert m["throughput/step_time_ms"] == pytest.approx(100.0)
-    assert m["throughput/compute_time_ms"] == pytest.approx(70.0)
     assert m["throughput/data_wait_share"] == pytest.approx(0.3)
-    assert m["throughput/tflops_per_sec_per_device"] == pytest.approx(2e9 / total / 1e12)
-    assert m["throughput/mfu"] == pytest.approx((2e9 / total) / 1e11)
+    assert m["throughput/tflops_per_sec_per_device"] == pytest.approx(4e9 / train_s / 1e12)
+    assert m["throughput/mfu"] == pytest.approx((4e9 / train_s) / 1e11)
 
 
 def test_tokens_per_sec_logged_for_token_batches(tmp_path):
-    cb = ThroughputCallback(log_every_n_steps=2, summary=False)
+    cb = GoodputMonitor(every_n_steps=2, summary=False, plot=False)
     logger = CSVLogger(tmp_path, name="run")
     dm = SyntheticTokenDataModule(num_samples=64, seq_len=16, vocab_size=32, batch_size=8)
     fit(
@@ -77,7 +85,7 @@ def test_tokens_per_sec_logged_for_token_batches(tmp_path):
     logger.save()
     rows = list(csv.DictReader(open(logger.log_dir + "/metrics.csv")))
     logged = [row for row in rows if row.get("throughput/samples_per_sec")]
-    assert [int(row["step"]) for row in logged] == [4, 6, 8]  # steps 2 is still warm-up; logged every 2
+    assert [int(row["step"]) for row in logged] == [2, 4, 6, 8, 8]  # every 2 optimizer steps, then the results
 
 
 class SlowDataset(Dataset):
@@ -99,7 +107,7 @@ class SlowDataModule(SyntheticClassificationDataModule):
 
 
 def test_slow_input_pipeline_is_detected(tmp_path):
-    cb = ThroughputCallback(summary=False, warmup_steps=1)
+    cb = GoodputMonitor(every_n_steps=2, summary=False, warmup_steps=1, plot=False)
     with pytest.warns(UserWarning, match="Input pipeline bound"):
         fit(tmp_path, MLPClassifier(input_dim=16), SlowDataModule(batch_size=4, input_dim=16), [cb], max_steps=10)
     # each batch sleeps 4 x 25 ms; the step itself takes a few ms, so even a loaded machine stays above half
@@ -142,7 +150,7 @@ def test_utilization_without_nvml_logs_host_metrics_and_serves_prometheus(tmp_pa
         def on_train_end(self, trainer, pl_module):
             scraped.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
 
-    cb = Scrape(interval_s=0.0, prometheus_port=port, summary=False)
+    cb = Scrape(every_n_seconds=0.0, prometheus=port, summary=False)
     logger = CSVLogger(tmp_path, name="util")
     fit(
         tmp_path,
@@ -157,7 +165,7 @@ def test_utilization_without_nvml_logs_host_metrics_and_serves_prometheus(tmp_pa
     assert cb.nvml is None  # closed at teardown
     assert set(cb.last) == {"host/cpu_pct", "host/ram_used_gib", "host/ram_total_gib", "host/process_rss_gib"}
     assert 0 < cb.last["host/process_rss_gib"] < cb.last["host/ram_total_gib"]
-    assert "lightning_accel_host_process_rss_gib" in scraped[0]
+    assert 'lightning_accel_host_process_rss_gib{rank="0"}' in scraped[0]
     logger.save()
     rows = list(csv.DictReader(open(logger.log_dir + "/metrics.csv")))
     assert len([r for r in rows if r.get("host/cpu_pct")]) == 3
@@ -204,7 +212,7 @@ def test_nvml_handle_follows_cuda_visible_devices_by_uuid(caplog):
 
 @requires_cuda
 def test_nvml_reads_the_training_gpu(tmp_path):
-    cb = UtilizationMonitor(interval_s=0.0, summary=False)
+    cb = UtilizationMonitor(every_n_seconds=0.0, summary=False)
     trainer = Trainer(**tiny_trainer_kwargs(tmp_path, callbacks=[cb], max_steps=3, accelerator="gpu"))
     trainer.fit(
         MLPClassifier(input_dim=16),

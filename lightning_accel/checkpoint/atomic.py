@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import threading
@@ -25,8 +24,6 @@ from typing import IO, Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
-
-log = logging.getLogger(__name__)
 
 MANIFEST_SUFFIX = ".manifest.json"
 TMP_MARKER = ".tmp-"

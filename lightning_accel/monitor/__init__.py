@@ -1,7 +1,16 @@
-"""Throughput and utilization monitoring, logged to any Lightning logger."""
+"""Monitoring: the goodput ledger with throughput and MFU, utilization, Prometheus export."""
 
+from lightning_accel.monitor.exporter import PrometheusExporter
+from lightning_accel.monitor.goodput import GoodputMonitor
 from lightning_accel.monitor.peaks import cpu_peak_flops, peak_flops
 from lightning_accel.monitor.throughput import ThroughputCallback
 from lightning_accel.monitor.utilization import UtilizationMonitor
 
-__all__ = ["ThroughputCallback", "UtilizationMonitor", "cpu_peak_flops", "peak_flops"]
+__all__ = [
+    "GoodputMonitor",
+    "PrometheusExporter",
+    "ThroughputCallback",
+    "UtilizationMonitor",
+    "cpu_peak_flops",
+    "peak_flops",
+]

@@ -18,10 +18,19 @@ from lightning.fabric.utilities.throughput import get_available_flops
 # Dense peaks in FLOP/s from the vendor datasheets (sparsity figures halved), matched in order as
 # substrings of the lower-cased device name: "h200 nvl" before "h200".
 _GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200), H200 NVL column: BF16/FP16 1,671 and TF32 835
+    # TFLOPS with sparsity, FP32 60 TFLOPS.
     ("h200 nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60.0e12}),
-    ("h200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    # Same datasheet, H200 SXM column: BF16/FP16 1,979 and TF32 989 TFLOPS with sparsity, FP32 67 TFLOPS.
+    ("h200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    # NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100), H100 NVL column: BF16/FP16 1,671 and TF32 835
+    # TFLOPS with sparsity, FP32 60 TFLOPS.
     ("h100 nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60.0e12}),
+    # AMD Instinct MI300X data sheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html): dense
+    # FP16/BF16 1,307.4, TF32 653.7, FP32 163.4 TFLOPS.
     ("mi300x", {"bf16": 1307.4e12, "fp16": 1307.4e12, "tf32": 653.7e12, "fp32": 163.4e12}),
+    # AMD Instinct MI250X data sheet (amd.com/en/products/accelerators/instinct/mi200/mi250x.html): FP16/BF16
+    # 383, FP32 matrix 95.7 (used for "tf32": CDNA2 has no TF32), FP32 vector 47.9 TFLOPS.
     ("mi250x", {"bf16": 383.0e12, "fp16": 383.0e12, "tf32": 95.7e12, "fp32": 47.9e12}),
 )
 

@@ -1,16 +1,17 @@
-"""GPU (NVML) and host (psutil) telemetry at a wall-clock interval, with an optional Prometheus exporter."""
+"""GPU (NVML) and host (psutil) telemetry at a wall-clock interval, logged and exported to Prometheus."""
 
 from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any
 
 import psutil
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
 from lightning_accel.monitor.summary import print_summary
 
 log = logging.getLogger(__name__)
@@ -74,41 +75,71 @@ class _NVML:
             self.pynvml.nvmlShutdown()
 
 
+HOST_KEYS = ("host/cpu_pct", "host/ram_used_gib", "host/ram_total_gib", "host/process_rss_gib")
+GPU_KEYS = (
+    "gpu/utilization_pct",
+    "gpu/memory_used_gib",
+    "gpu/memory_total_gib",
+    "gpu/power_w",
+    "gpu/temperature_c",
+)
+METRIC_KEYS = HOST_KEYS + GPU_KEYS  # everything this monitor logs and exports (GPU keys only with NVML)
+
+
 class UtilizationMonitor(Callback):
-    """Log device and host utilization every ``interval_s`` seconds of training.
+    """Log device and host utilization every ``every_n_seconds`` of training.
 
     GPU metrics (utilization, memory used/total, power, temperature) come from NVML when a driver is
     present; without one they are skipped and the reason is logged once. Host metrics (CPU %, RAM,
     process RSS) come from psutil and are always logged. Sampling happens at batch boundaries, so no
-    thread competes with training.
+    thread competes with training. Every rank samples its own GPU; loggers get rank 0's values, the
+    Prometheus exporter every rank's (label ``rank``).
 
     Args:
-        interval_s: Minimum seconds between two samples.
-        prometheus_port: Serve the latest sample as Prometheus gauges on this port (``None``: off).
-        prometheus_addr: Address to bind; loopback by default, so nothing is exposed unintentionally.
+        every_n_seconds: Minimum seconds between two samples.
+        prometheus: A :class:`~lightning_accel.monitor.PrometheusExporter` (shared with ``GoodputMonitor``) or
+            a port number (rank ``r`` serves on ``port + local_rank``); ``None``: no export.
         summary: Print peak values at the end of fit.
+        interval_s, prometheus_port, prometheus_addr: Deprecated spellings of ``every_n_seconds`` and
+            ``prometheus`` (``PrometheusExporter(port, addr)``).
     """
 
     def __init__(
         self,
-        interval_s: float = 10.0,
-        prometheus_port: int | None = None,
-        prometheus_addr: str = "127.0.0.1",
+        every_n_seconds: float = 10.0,
+        prometheus: PrometheusExporter | int | None = None,
         summary: bool = True,
+        *,
+        interval_s: float | None = None,
+        prometheus_port: int | None = None,
+        prometheus_addr: str | None = None,
     ) -> None:
-        if interval_s < 0:
-            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
-        self.interval_s = interval_s
-        self.prometheus_port = prometheus_port
-        self.prometheus_addr = prometheus_addr
+        if interval_s is not None:
+            warnings.warn(
+                "UtilizationMonitor(interval_s=) is deprecated: use every_n_seconds=", FutureWarning, stacklevel=2
+            )
+            every_n_seconds = interval_s
+        if prometheus_port is not None or prometheus_addr is not None:
+            warnings.warn(
+                "UtilizationMonitor(prometheus_port=, prometheus_addr=) is deprecated: use "
+                "prometheus=PrometheusExporter(port, addr) or prometheus=<port>",
+                FutureWarning,
+                stacklevel=2,
+            )
+            if prometheus_port is not None:
+                prometheus = PrometheusExporter(prometheus_port, prometheus_addr or "127.0.0.1")
+        if every_n_seconds < 0:
+            raise ValueError(f"every_n_seconds must be >= 0, got {every_n_seconds}")
+        self.every_n_seconds = every_n_seconds
+        self.exporter, self._owns_exporter = resolve_exporter(prometheus)
+        if prometheus_port is not None:
+            self._owns_exporter = True
         self.summary = summary
         self.nvml: _NVML | None = None
         self.last: dict[str, float] = {}
         self.peaks: dict[str, float] = {}
         self._next_sample = 0.0
         self._process = psutil.Process()
-        self._server: Any = None
-        self._gauges: dict[str, Any] = {}
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.nvml is not None:
@@ -119,21 +150,9 @@ class UtilizationMonitor(Callback):
         self.nvml = _NVML(index)
         if not self.nvml.available:
             log.info("GPU telemetry off (%s); logging host metrics only", self.nvml.reason)
-        if self.prometheus_port is not None and trainer.is_global_zero:
-            self._start_exporter()
+        if self.exporter is not None:
+            self.exporter.start(trainer.local_rank)  # a busy port fails here, not mid-run
         psutil.cpu_percent(interval=None)  # first call primes the counter; it always returns 0.0
-
-    def _start_exporter(self) -> None:
-        try:
-            from prometheus_client import CollectorRegistry, start_http_server
-        except ImportError as err:
-            raise ImportError(
-                "UtilizationMonitor(prometheus_port=...) needs prometheus_client: "
-                "pip install 'lightning-accel[prometheus]'"
-            ) from err
-        self._registry = CollectorRegistry()
-        self._server, _ = start_http_server(self.prometheus_port, addr=self.prometheus_addr, registry=self._registry)
-        log.info("Prometheus metrics on http://%s:%d/metrics", self.prometheus_addr, self.prometheus_port)
 
     def sample(self) -> dict[str, float]:
         """Read all metrics now."""
@@ -154,35 +173,26 @@ class UtilizationMonitor(Callback):
         now = time.monotonic()
         if now < self._next_sample:
             return
-        self._next_sample = now + self.interval_s
+        self._next_sample = now + self.every_n_seconds
         self.last = self.sample()
         for key, value in self.last.items():
             self.peaks[key] = max(value, self.peaks.get(key, value))
         self._publish(trainer)
 
-    @rank_zero_only
     def _publish(self, trainer: Trainer) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(self.last, step=trainer.global_step)
-        if self._server is not None:
-            from prometheus_client import Gauge
-
-            for key, value in self.last.items():
-                name = "lightning_accel_" + key.replace("/", "_")
-                if name not in self._gauges:
-                    self._gauges[name] = Gauge(name, key, registry=self._registry)
-                self._gauges[name].set(value)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.last, step=trainer.global_step)
+        if self.exporter is not None:
+            self.exporter.publish(self.last, rank=trainer.global_rank, local_rank=trainer.local_rank)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.summary and trainer.is_global_zero and self.peaks:
             print_summary("lightning-accel utilization (peaks)", self.peaks)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-            self._gauges.clear()
+        if self._owns_exporter and self.exporter is not None:
+            self.exporter.close()
         if self.nvml is not None:
             self.nvml.close()
             self.nvml = None

@@ -16,7 +16,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_accel  # noqa: F401  (registers the presets)
-from lightning_accel import CompileCallback
+from lightning_accel import TorchCompile
 from lightning_accel.data import SyntheticTokenDataModule
 from lightning_accel.models import TinyGPT
 from lightning_accel.strategies import AccelFSDPStrategy
@@ -57,7 +57,7 @@ def main() -> None:
     record = RecordLoss()
     callbacks = [record, ModelCheckpoint(dirpath=out / "ckpt", save_last=False, every_n_train_steps=args.max_steps)]
     if args.compile:
-        callbacks.append(CompileCallback(backend="aot_eager"))
+        callbacks.append(TorchCompile(backend="aot_eager"))
     strategy = AccelFSDPStrategy(activation_checkpointing=True) if args.activation_checkpointing else args.strategy
     trainer = Trainer(
         accelerator="cpu",

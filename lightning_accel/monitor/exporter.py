@@ -1,0 +1,93 @@
+"""Prometheus exporter shared by the monitors: one HTTP endpoint per process, every series labelled by rank.
+
+Each rank serves its own values on ``port + local_rank`` (one process cannot serve another's), so a scrape
+config lists one target per local rank on each node; the ``rank`` label is the global rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PREFIX = "lightning_accel_"
+
+
+def series_name(key: str) -> str:
+    """Prometheus name of a metric key: ``goodput/data_share`` -> ``lightning_accel_goodput_data_share``."""
+    return PREFIX + key.replace("/", "_").replace(".", "_")
+
+
+class PrometheusExporter:
+    """Serve metrics as Prometheus gauges on ``addr:port + local_rank``.
+
+    Pass one exporter to several monitors (``GoodputMonitor(prometheus=exporter)``,
+    ``UtilizationMonitor(prometheus=exporter)``) to publish all of them on one endpoint. The server starts at
+    the first publish and stops at :meth:`close`; monitors given a port number instead create and close their
+    own. Binds to loopback by default, so nothing is exposed unintentionally.
+    """
+
+    def __init__(self, port: int = 9400, addr: str = "127.0.0.1") -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self.port, self.addr = port, addr
+        self.bound_port: int | None = None
+        self._server: Any = None
+        self._registry: Any = None
+        self._gauges: dict[str, Any] = {}
+
+    def start(self, local_rank: int = 0) -> None:
+        if self._server is not None:
+            return
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError as err:
+            raise ImportError(
+                "Prometheus export needs prometheus_client: pip install 'lightning-accel[prometheus]'"
+            ) from err
+        self._registry = CollectorRegistry()
+        port = self.port + local_rank if self.port else 0
+        try:
+            self._server, _ = start_http_server(port, addr=self.addr, registry=self._registry)
+        except OSError as err:
+            raise OSError(
+                f"Cannot serve Prometheus metrics on {self.addr}:{port} ({err}); pick a free port "
+                "(prometheus=<port>) or stop the program using it"
+            ) from err
+        self.bound_port = self._server.server_address[1]
+        log.info("Prometheus metrics on http://%s:%d/metrics", self.addr, self.bound_port)
+
+    def publish(self, metrics: Mapping[str, float], rank: int = 0, local_rank: int = 0) -> None:
+        """Set one gauge per metric, labelled ``rank``; starts the server on first use."""
+        self.start(local_rank)
+        from prometheus_client import Gauge
+
+        for key, value in metrics.items():
+            name = series_name(key)
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                gauge = self._gauges[name] = Gauge(name, key, ["rank"], registry=self._registry)
+            gauge.labels(rank=str(rank)).set(float(value))
+
+    @property
+    def published(self) -> set[str]:
+        """Names of the series published so far."""
+        return set(self._gauges)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server, self.bound_port = None, None
+        self._gauges.clear()
+
+
+def resolve_exporter(prometheus: PrometheusExporter | int | None) -> tuple[PrometheusExporter | None, bool]:
+    """``(exporter, owned)`` for a monitor's ``prometheus=`` argument: an exporter, a port, or ``None``."""
+    if prometheus is None or isinstance(prometheus, PrometheusExporter):
+        return prometheus, False
+    if isinstance(prometheus, bool) or not isinstance(prometheus, int):
+        raise TypeError(f"prometheus must be a PrometheusExporter, a port number or None, got {prometheus!r}")
+    return PrometheusExporter(prometheus), True

@@ -1,0 +1,41 @@
+"""The highest step a run has reached, kept in the run folder so that a resumed attempt knows what it redoes.
+
+Checkpoints hold the step they were saved at; the step a killed attempt had reached is lost with it. This
+small file, replaced atomically (write, then ``os.replace``) at most once a second, keeps it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PROGRESS_FILE = "goodput_progress.json"
+
+
+def read_highest_step(run_dir: str | Path) -> int | None:
+    """The step recorded in ``run_dir``, or ``None`` when there is none (or it is unreadable, with a warning)."""
+    path = Path(run_dir) / PROGRESS_FILE
+    try:
+        return int(json.loads(path.read_text())["highest_step"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("Ignoring unreadable %s (%s): lost work of the previous attempt is not counted", path, err)
+        return None
+
+
+def write_highest_step(run_dir: str | Path, step: int) -> None:
+    """Record ``step`` atomically; a failure (read-only or full disk) is logged, never raised into training."""
+    folder = Path(run_dir)
+    tmp = folder / f".{PROGRESS_FILE}.tmp-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"highest_step": int(step)}))
+        os.replace(tmp, folder / PROGRESS_FILE)
+    except OSError as err:
+        log.warning("Cannot record progress in %s (%s): a restart will not know the work it redoes", folder, err)
+        tmp.unlink(missing_ok=True)
