@@ -223,3 +223,21 @@ def test_periodic_save_after_resume_inside_accumulation_does_not_overwrite(tmp_p
     )
     assert json.loads(manifest_path(saved).read_text())["sha256"] == before
     assert second.saved == []  # step 8 was never reached
+
+
+def test_stateful_loader_whose_sampler_lightning_wrapped_is_flagged():
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import BatchSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
+
+    from lightning_accel.checkpoint.preemption import _wrapped_stateful_sampler
+
+    data = list(range(16))
+    # what Lightning builds under DDP from StatefulDataLoader(data, shuffle=True)
+    wrapped = BatchSampler(DistributedSamplerWrapper(RandomSampler(data), num_replicas=2, rank=0), 4, False)
+    assert _wrapped_stateful_sampler(StatefulDataLoader(data, batch_sampler=wrapped))
+    # what the docs say to build instead, and what a single process uses
+    own = StatefulDistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
+    assert not _wrapped_stateful_sampler(StatefulDataLoader(data, batch_size=4, sampler=own))
+    assert not _wrapped_stateful_sampler(StatefulDataLoader(data, batch_size=4, shuffle=True))

@@ -40,6 +40,7 @@ CONFIGS = [
     ("dali", 3, False, True, 1),
     ("resumable", 3, True, False, 2),
     ("dali", 1, True, True, 2),
+    ("stateful", 1, True, True, 2),  # StatefulDistributedSampler, as docs/checkpointing.md says
 ]
 
 

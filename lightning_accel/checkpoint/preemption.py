@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -78,6 +79,14 @@ def _set_rng_state(state: _RNG) -> None:
 
 def _is_stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _wrapped_stateful_sampler(loader: Any) -> bool:
+    """A StatefulDataLoader whose own sampler Lightning wrapped for DDP (its order is lost on resume)."""
+    if type(loader).__name__ != "StatefulDataLoader":
+        return False
+    samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    return any(isinstance(s, DistributedSamplerWrapper) for s in samplers)
 
 
 class PreemptionCheckpoint(Callback):
@@ -242,11 +251,13 @@ class PreemptionCheckpoint(Callback):
             else [loaders]
         )
         for loader in flat:
-            if loader is not None and trainer.world_size > 1 and type(loader).__name__ == "StatefulDataLoader":
+            if loader is not None and _wrapped_stateful_sampler(loader):
                 rank_zero_warn(
-                    "PreemptionCheckpoint: under DDP, Lightning restores a StatefulDataLoader from the state rank 0 "
-                    "saved, and the order after a resume differs from the uninterrupted run's (measured in our tests). "
-                    "For exact multi-rank resumes use lightning_accel.ResumableDataLoader or DALIImageDataModule."
+                    "PreemptionCheckpoint: under DDP, Lightning wrapped this StatefulDataLoader's own sampler in a "
+                    "DistributedSamplerWrapper, which reshuffles from the global RNG at every epoch and keeps no "
+                    "state, so the order after a resume differs from the uninterrupted run's. Build the loader in "
+                    "train_dataloader() with `sampler=StatefulDistributedSampler(dataset, shuffle=True, seed=...)` "
+                    "(from torchdata.stateful_dataloader.sampler); Lightning keeps a distributed sampler as it is."
                 )
             if loader is not None and not _is_stateful(loader):
                 rank_zero_warn(

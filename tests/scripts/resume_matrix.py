@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -115,6 +115,26 @@ class ConvNet(LightningModule):
         return [opt], [{"scheduler": per_step, "interval": "step"}, {"scheduler": per_epoch, "interval": "epoch"}]
 
 
+class StatefulDistributedData(LightningDataModule):
+    """What docs/checkpointing.md tells a StatefulDataLoader user under DDP: a StatefulDistributedSampler, built
+    in ``train_dataloader()`` (the process group exists by then), so Lightning keeps it instead of wrapping."""
+
+    def __init__(self, train: Dataset, val: Dataset | None) -> None:
+        super().__init__()
+        self.train, self.val = train, val
+
+    def train_dataloader(self) -> DataLoader:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+        return StatefulDataLoader(
+            self.train, batch_size=BATCH, sampler=StatefulDistributedSampler(self.train, shuffle=True, seed=7)
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        return DataLoader(self.val, batch_size=BATCH) if self.val is not None else []
+
+
 def build_data(cfg: dict[str, Any]) -> dict[str, Any]:
     # Every rank sees SAMPLES per epoch, so the stop points below hold for any world size.
     train, val = IndexedImages(SAMPLES * cfg["devices"], seed=1), IndexedImages(VAL_SAMPLES * cfg["devices"], seed=2)
@@ -138,6 +158,8 @@ def build_data(cfg: dict[str, Any]) -> dict[str, Any]:
             seed=3,
         )
         return {"datamodule": dm}
+    if cfg["loader"] == "stateful" and cfg["devices"] > 1:
+        return {"datamodule": StatefulDistributedData(train, val if cfg["val"] else None)}
     if cfg["loader"] == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
