@@ -1,4 +1,5 @@
-"""Automatic mixed-precision choice: bf16 where the hardware has it, fp16 + loss scaling elsewhere, fp8 on Hopper.
+"""Automatic precision choice: bf16 on GPUs that have it, fp16 + loss scaling on older GPUs, fp8 on Hopper (opt-in),
+fp32 on CPUs (where our benchmark measures bf16 autocast slower).
 
 The result is a plain Lightning precision string, so it works with every strategy (DDP, DeepSpeed, FSDP
 pick their own precision plugin from it)::
@@ -74,6 +75,14 @@ def choose_precision(
     caps = caps or DeviceCapabilities.detect()
     req = AUTO if requested is None else PRECISION_ALIASES.get(str(requested), str(requested))
     if req == AUTO:
+        if caps.device_type == "cpu":
+            # benchmarks/precision_compile.py: bf16-mixed trains at 0.69-0.82x fp32 on CPUs, AMX/AVX512-BF16
+            # ones included (autocast's casts cost more than the faster matmuls save); measure with `tune`.
+            return PrecisionChoice(
+                "32-true",
+                f"{caps.name}: bf16 autocast measured slower than fp32 on CPUs (benchmarks/precision_compile.py); "
+                "pass 'bf16-mixed' to use it anyway",
+            )
         if allow_fp8 and caps.fp8:
             return PrecisionChoice(
                 "transformer-engine", f"{caps.name} supports fp8 and Transformer Engine is installed"

@@ -52,7 +52,7 @@ def test_recipe_trains_and_reports_throughput(tmp_path):
     assert monitor.results["throughput/steps_measured"] == 32 - monitor.warmup_steps
 
 
-def test_auto_precision_in_recipe_resolves_to_bf16_on_cpu(tmp_path):
+def test_auto_precision_in_recipe_resolves_to_fp32_on_cpu(tmp_path):
     cli = build_cli(
         [
             "fit",
@@ -74,7 +74,7 @@ def test_auto_precision_in_recipe_resolves_to_bf16_on_cpu(tmp_path):
             str(tmp_path),
         ]
     )
-    assert cli.trainer.precision == "bf16-mixed"
+    assert cli.trainer.precision == "32-true"  # what our benchmark measures fastest on CPUs
 
 
 @pytest.mark.parametrize(
