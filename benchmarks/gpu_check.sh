@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a lent H200 (no network there). Its sections' time limits add up to 490 s, so
+# One prepared check for a lent H200 (no network there). Its sections' time limits add up to 500 s, so
 # with the wheel install it ends inside the 540 s call, whatever hangs. It writes
 # JSON, PNG and logs (packed into $OUT on the device, see below; elsewhere: benchmarks/results/gpu).
 #
@@ -51,13 +51,13 @@ step() {  # step NAME SECONDS command...: each section is bounded and never stop
 }
 
 # 1. fp32 eager vs bf16-mixed vs compiled on the tiny-GPT recipe's model (steps/s, MFU)
-step precision_compile 150 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
+step precision_compile 130 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
-step gpu_tests 90 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_monitor.py \
+step gpu_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_monitor.py \
   "tests/test_goodput.py::test_gpu_kernels_are_charged_to_compute" \
   "tests/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/test_data_dali.py::test_gpu_mixed_decode"
 # 3. single-GPU strategies: plain vs accel_zero2 vs accel_fsdp
-step strategies 110 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
+step strategies 100 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
 # 4. checkpoint stall, sync vs async, 100M parameters (a 400 MB file: plain SGD keeps no state) from GPU memory
 step checkpoint 60 $PY -m benchmarks.checkpoint_async --gpu --params-m 100 --saves 3 --out "$RES"
 # 5. DALI mixed decode vs CPU backend vs torch DataLoader (only where DALI is installed)
@@ -68,5 +68,12 @@ else
 fi
 # 6. the goodput ledger on a GPU (CUDA-synchronized buckets) beside Lightning's ThroughputMonitor
 step goodput 30 $PY -m benchmarks.goodput_attribution --gpu --steps 100 --rounds 1 --out "$RES"
+# 7. the doctor's GPU-only findings (sync stalls, pageable copies, idle time via HolisticTraceAnalysis,
+#    precision, memory headroom), then `lightning-accel profile` on the GPU recipe (traces stay on the device)
+step doctor 50 bash -c "$PY -m pytest -q -p no:cacheprovider \
+  tests/test_doctor.py::test_gpu_doctor_measures_syncs_pageable_copies_and_idle_time \
+  && COLUMNS=200 $PY -m lightning_accel.cli profile --config recipes/tiny_gpt_gpu.yaml --out /tmp/profile_gpu \
+     --wait 10 --active 3 --trainer.enable_progress_bar false \
+  && mkdir -p $RES/profile && cp /tmp/profile_gpu/doctor.* /tmp/profile_gpu/profile/profile_summary.json $RES/profile/"
 pack
 echo "== gpu_check summary =="; cat "$RES/status.txt"

@@ -7,6 +7,8 @@ mkdir -p .whl
 dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"; }
 # pydantic pins its core exactly: keep the pair in step with each other.
+# the doctor's GPU trace reader and what it imports that the image lacks (pandas, networkx are there)
+dl HolisticTraceAnalysis==0.5.0 plotly pydot
 dl hjson annotated-types typing-inspection pydantic==2.14.4 pydantic-core==2.50.5 jsonargparse==4.53.0 docstring-parser
 # deepspeed publishes only an sdist: build a pure-Python wheel of it here (its ops compile on first use).
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8 2>/dev/null \

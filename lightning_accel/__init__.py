@@ -9,6 +9,7 @@ from lightning_accel.compile import CompileCallback, TorchCompile
 from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
 from lightning_accel.monitor import GoodputMonitor, PrometheusExporter, ThroughputCallback, UtilizationMonitor
 from lightning_accel.precision import auto_precision, choose_precision
+from lightning_accel.profile import Finding, TorchProfiler, diagnose
 from lightning_accel.strategies import PRESETS, close_gloo_process_group_at_exit, register_presets
 
 register_presets()
@@ -18,6 +19,7 @@ __all__ = [
     "PRESETS",
     "AtomicCheckpointIO",
     "CompileCallback",
+    "Finding",
     "GoodputMonitor",
     "Preempted",
     "PreemptionCheckpoint",
@@ -27,10 +29,12 @@ __all__ = [
     "SyntheticTokenDataModule",
     "ThroughputCallback",
     "TorchCompile",
+    "TorchProfiler",
     "UtilizationMonitor",
     "auto_precision",
     "choose_precision",
     "close_gloo_process_group_at_exit",
+    "diagnose",
     "find_resume_checkpoint",
     "register_presets",
 ]

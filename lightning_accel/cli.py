@@ -4,12 +4,16 @@ Usage::
 
     lightning-accel fit --config recipes/tiny_gpt_cpu.yaml
     lightning-accel fit --config recipes/tiny_gpt_cpu.yaml --trainer.max_steps 50 --ckpt_path auto
+    lightning-accel profile --config recipes/tiny_gpt_cpu.yaml [--out runs/profile] [--active 5]
+    lightning-accel doctor runs/profile
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -18,7 +22,9 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_accel  # noqa: F401  (registers the strategy presets)
 from lightning_accel._compat import PrecisionInput
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.monitor import GoodputMonitor
 from lightning_accel.precision import auto_precision
+from lightning_accel.profile import TorchProfiler, diagnose, load_run, report
 from lightning_accel.strategies import check_strategy_name, close_gloo_process_group_at_exit
 
 log = logging.getLogger(__name__)
@@ -62,8 +68,9 @@ class AccelCLI(LightningCLI):
         self.config_init[self.subcommand]["ckpt_path"] = found
 
 
-def build_cli(args: list[str] | None = None) -> AccelCLI:
-    """Parse ``args`` (default: ``sys.argv``), build the objects and run the subcommand."""
+def build_cli(args: list[str] | None = None, run: bool = True) -> AccelCLI:
+    """Parse ``args`` (default: ``sys.argv``), build the objects and run the subcommand (``run=False``: only build;
+    ``args`` then has no subcommand)."""
     return AccelCLI(
         LightningModule,
         LightningDataModule,
@@ -72,15 +79,69 @@ def build_cli(args: list[str] | None = None) -> AccelCLI:
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         args=args,
+        run=run,
         auto_configure_optimizers=False,
     )
+
+
+def doctor(args: list[str]) -> int:
+    """``lightning-accel doctor RUN_DIR``: print the ranked findings, write doctor.md/.png/.json there."""
+    parser = argparse.ArgumentParser(prog="lightning-accel doctor", description=doctor.__doc__)
+    parser.add_argument("run_dir", type=Path, help="folder a GoodputMonitor (and TorchProfiler) wrote into")
+    ns = parser.parse_args(args)
+    try:
+        goodput, summary = load_run(ns.run_dir)
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    path = report(diagnose(goodput, summary), goodput, summary, ns.run_dir)
+    log.info("doctor report: %s", path)
+    return 0
+
+
+def profile(args: list[str]) -> int:
+    """``lightning-accel profile --config RECIPE``: train a short profiled window of a recipe, then the doctor."""
+    parser = argparse.ArgumentParser(prog="lightning-accel profile", description=profile.__doc__)
+    parser.add_argument("--config", required=True, help="recipe YAML (as for `lightning-accel fit`)")
+    parser.add_argument("--out", type=Path, default=None, help="run folder (default: runs/profile/<recipe>)")
+    parser.add_argument("--wait", type=int, default=5, help="batches before tracing (compilation, warm-up)")
+    parser.add_argument("--active", type=int, default=5, help="batches traced")
+    ns, extra = parser.parse_known_args(args)
+    out = ns.out or Path("runs/profile") / Path(ns.config).stem
+    window = TorchProfiler(wait=ns.wait, warmup=1, active=ns.active, dirpath=out / "profile")
+    cli = build_cli(
+        [
+            "--config",
+            ns.config,
+            "--trainer.max_steps",
+            str(window.window + 2),
+            "--trainer.default_root_dir",
+            str(out),
+            # a sanity check is a large part of a short window and not the training's cost
+            "--trainer.num_sanity_val_steps",
+            "0",
+            *extra,
+        ],
+        run=False,
+    )
+    trainer = cli.trainer
+    monitors = [c for c in trainer.callbacks if isinstance(c, GoodputMonitor)]
+    if monitors:
+        monitors[0].run_dir = out
+    else:
+        trainer.callbacks.append(GoodputMonitor(every_n_steps=max(window.window, 1), run_dir=out))
+    trainer.callbacks.append(window)
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    return doctor([str(out)])
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     close_gloo_process_group_at_exit()  # our program: safe for stock strategies on gloo too
-    build_cli(args)
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] in ("doctor", "profile"):
+        raise SystemExit((doctor if argv[0] == "doctor" else profile)(argv[1:]))
+    build_cli(argv)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import time
@@ -12,18 +13,21 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_accel.monitor.batches import default_batch_size, default_tokens
 from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
-from lightning_accel.monitor.ledger import BUCKETS, Ledger, LedgerProfiler
+from lightning_accel.monitor.ledger import BUCKETS, Ledger, LedgerProfiler, remove_wrapper
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.monitor.plot import plot_ledger
 from lightning_accel.monitor.progress import read_highest_step, write_highest_step
 from lightning_accel.monitor.summary import print_summary
 
 log = logging.getLogger(__name__)
+
+RESULTS_FILE = "goodput.json"
 
 THROUGHPUT_KEYS = (
     "throughput/samples_per_sec",
@@ -88,7 +92,8 @@ class GoodputMonitor(Callback):
         sync_cuda: Synchronize CUDA at the end of each compute region, so queued kernels are charged to the
             compute that queued them (costs the overlap of that GPU tail with the next fetch).
         summary: Print the breakdown at the end of fit.
-        plot: Write ``goodput.png`` (a stacked bar) into ``run_dir`` at the end of fit.
+        plot: Write ``goodput.png`` (a stacked bar) into ``run_dir`` at the end of fit (``goodput.json``, the
+            results, is always written there).
     """
 
     def __init__(
@@ -144,7 +149,7 @@ class GoodputMonitor(Callback):
         self._last_log: _Mark | None = None
         self._warned = False
         self._counter: FlopCounterMode | None = None
-        self._inner_profiler: Any = None
+        self._wrapper: LedgerProfiler | None = None
         self._val_loop: Any = None
         self._folder: Path | None = None  # run_dir, or where checkpoints or logs go (on_train_start)
         if self._counted_flops:
@@ -159,8 +164,7 @@ class GoodputMonitor(Callback):
         device = trainer.strategy.root_device
         on_gpu = self.sync_cuda and device.type == "cuda"
         self.ledger.sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else None
-        self._inner_profiler = trainer.profiler
-        trainer.profiler = LedgerProfiler(trainer.profiler, self.ledger)
+        self._wrapper = trainer.profiler = LedgerProfiler(trainer.profiler, self.ledger)
         # The validation loop has no profiler action around all of it (loading, worker start, steps,
         # hooks): its public ``run`` is wrapped for this fit, on this loop instance only.
         loop, ledger = trainer.fit_loop.epoch_loop.val_loop, self.ledger
@@ -177,9 +181,9 @@ class GoodputMonitor(Callback):
         self._val_loop = loop
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._inner_profiler is not None and isinstance(trainer.profiler, LedgerProfiler):
-            trainer.profiler = self._inner_profiler
-        self._inner_profiler = None
+        if self._wrapper is not None:
+            remove_wrapper(trainer, self._wrapper)
+            self._wrapper = None
         if self._val_loop is not None:
             self._val_loop.__dict__.pop("run", None)
             self._val_loop = None
@@ -210,8 +214,10 @@ class GoodputMonitor(Callback):
         if self.run_dir is not None:
             return self.run_dir
         for callback in trainer.callbacks:  # PreemptionCheckpoint, ModelCheckpoint (resolved by now)
+            # only checkpoint writers (by the `<What>Checkpoint` convention): a TorchProfiler's dirpath holds traces
+            writes_checkpoints = isinstance(callback, Checkpoint) or type(callback).__name__.endswith("Checkpoint")
             dirpath = getattr(callback, "dirpath", None)
-            if dirpath is not None and callback is not self:
+            if dirpath is not None and writes_checkpoints:
                 return Path(dirpath)
         if trainer.loggers:
             return Path(trainer.log_dir or trainer.default_root_dir)
@@ -396,6 +402,10 @@ class GoodputMonitor(Callback):
         self.ledger.stop()
         if not trainer.is_global_zero or not self.results:
             return
+        if self._folder is not None:  # for `lightning-accel doctor`
+            self._folder.mkdir(parents=True, exist_ok=True)
+            run = {"precision": str(trainer.precision), "device": str(trainer.strategy.root_device)}
+            (self._folder / RESULTS_FILE).write_text(json.dumps({**self.results, **run}, indent=1))
         if self.summary:
             self._print_summary()
         if self.plot and self._folder is not None:

@@ -30,6 +30,8 @@ from lightning_accel.compile import COMPILE_ACTION
 BUCKETS = ("data", "transfer", "compute", "checkpoint", "validation", "compile", "other")
 TRAIN_BUCKETS = frozenset({"data", "transfer", "compute"})
 FORWARD = "forward"  # not a bucket: forward time inside `compute`, for the straggler check
+EXCLUDED = "excluded"  # not a bucket: the profiler's own work (trace export), left out of the run's time
+PROFILER_ACTION = "lightning_accel.profiler_overhead"
 _NOTHING = nullcontext()  # reusable: entering and leaving it does nothing
 
 
@@ -48,6 +50,8 @@ def bucket_of(action: str) -> str | None:
         return "checkpoint"
     if action == COMPILE_ACTION:
         return "compile"
+    if action == PROFILER_ACTION:
+        return EXCLUDED
     return None
 
 
@@ -82,7 +86,9 @@ class Ledger:
 
     def _charge(self, now: float) -> None:
         assert self._since is not None
-        self.seconds[self._stack[-1][1] if self._stack else "other"] += now - self._since
+        bucket = self._stack[-1][1] if self._stack else "other"
+        if bucket != EXCLUDED:
+            self.seconds[bucket] += now - self._since
         self._since = now
 
     def enter(self, bucket: str) -> None:
@@ -120,6 +126,22 @@ class Ledger:
         if self._since is not None:
             self._charge(self.clock())
         return dict(self.seconds)
+
+
+def remove_wrapper(trainer: Any, wrapper: Profiler) -> None:
+    """Take ``wrapper`` (a profiler forwarding to ``.inner``) out of ``trainer.profiler``'s chain, wherever it sits.
+
+    Callbacks that wrap the profiler for one fit (``GoodputMonitor``, ``TorchProfiler``) tear down in any order.
+    """
+    node, parent = trainer.profiler, None
+    while node is not None and node is not wrapper:
+        parent, node = node, node.__dict__.get("inner")
+    if node is None:
+        return
+    if parent is None:
+        trainer.profiler = wrapper.inner  # type: ignore[attr-defined]
+    else:
+        parent.inner = wrapper.inner  # type: ignore[attr-defined]
 
 
 class LedgerProfiler(Profiler):
