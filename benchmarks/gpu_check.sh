@@ -55,11 +55,13 @@ step precision_compile 130 $PY -m benchmarks.precision_compile --gpu --steps 60 
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
 step gpu_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_monitor.py \
   "tests/test_goodput.py::test_gpu_kernels_are_charged_to_compute" \
-  "tests/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/test_data_dali.py::test_gpu_mixed_decode"
+  "tests/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/test_data_dali.py::test_gpu_mixed_decode" \
+  "tests/test_checkpoint_cost.py::test_cuda_tensors_stage_into_pinned_buffers_without_blocking_the_host"
 # 3. single-GPU strategies: plain vs accel_zero2 vs accel_fsdp
 step strategies 100 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
-# 4. checkpoint stall, sync vs async, 100M parameters (a 400 MB file: plain SGD keeps no state) from GPU memory
-step checkpoint 60 $PY -m benchmarks.checkpoint_async --gpu --params-m 100 --saves 3 --out "$RES"
+# 4. checkpoint cost end to end from GPU memory (pinned staging): ours sync/async vs Lightning's AsyncCheckpointIO
+#    and torch DCP async_save, 50M parameters with momentum (a 400 MB checkpoint), 30 steps, a save every 10
+step checkpoint 60 $PY -m benchmarks.checkpoint_async --gpu --params-m 50 --steps 30 --every 10 --rounds 1 --out "$RES"
 # 5. DALI mixed decode vs CPU backend vs torch DataLoader (only where DALI is installed)
 if $PY -c "import nvidia.dali" 2>/dev/null; then
   step dataloading 50 $PY -m benchmarks.dataloading --gpu --images 512 --workers 8 --out "$RES"

@@ -216,12 +216,12 @@ def test_periodic_save_after_resume_inside_accumulation_does_not_overwrite(tmp_p
         Wide(width=16), train_dataloaders=loader()
     )
     saved = ck / "step=00000004.ckpt"
-    before = json.loads(manifest_path(saved).read_text())["sha256"]
+    before = json.loads(manifest_path(saved).read_text())["xxh3_64"]
     second = PreemptionCheckpoint(ck, every_n_steps=4, keep_last=None)
     Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=6, **{**kwargs, "callbacks": [second]})).fit(
         Wide(width=16), train_dataloaders=loader(), ckpt_path=str(saved)
     )
-    assert json.loads(manifest_path(saved).read_text())["sha256"] == before
+    assert json.loads(manifest_path(saved).read_text())["xxh3_64"] == before
     assert second.saved == []  # step 8 was never reached
 
 

@@ -35,6 +35,7 @@ from lightning_accel.checkpoint.atomic import (
     verify,
 )
 from lightning_accel.checkpoint.resume import list_checkpoints
+from lightning_accel.checkpoint.sharded import seal_folder
 
 log = logging.getLogger(__name__)
 
@@ -174,11 +175,11 @@ class PreemptionCheckpoint(Callback):
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
         self._verified.clear()
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or saves_distributed_checkpoint(strategy):
+        sharded = isinstance(strategy, DeepSpeedStrategy) or saves_distributed_checkpoint(strategy)
+        if sharded and self.async_save:
             log.warning(
-                "%s saves a sharded checkpoint folder with its own writer: PreemptionCheckpoint still saves on "
-                "signals and schedules, but atomic writes, manifests and find_resume_checkpoint cover "
-                "single-file checkpoints only",
+                "%s writes sharded checkpoint folders itself, synchronously: async_save=True applies to single-file "
+                "checkpoints only. Folders are sealed with a manifest once every rank has written",
                 type(strategy).__name__,
             )
         io = strategy.checkpoint_io
@@ -272,7 +273,7 @@ class PreemptionCheckpoint(Callback):
         if stage == "fit" and trainer.is_global_zero:
             # Writes still in flight at the last saves were skipped by pruning; Lightning has flushed
             # them by now (strategy teardown runs before this hook), so count them now.
-            self._prune()
+            self._prune(trainer.strategy.checkpoint_io)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Also on Preempted: teardown hooks do not run after an exception.
@@ -281,7 +282,7 @@ class PreemptionCheckpoint(Callback):
             if isinstance(trainer.strategy.checkpoint_io, AsyncAtomicCheckpointIO):
                 trainer.strategy.checkpoint_io.wait()
                 if trainer.is_global_zero:
-                    self._prune()
+                    self._prune(trainer.strategy.checkpoint_io)
             # No rank leaves before the checkpoint is complete: a restart must find the same newest file.
             trainer.strategy.barrier("PreemptionCheckpoint.preempted")
 
@@ -362,21 +363,26 @@ class PreemptionCheckpoint(Callback):
         path = self.dirpath / f"step={trainer.global_step:08d}.ckpt"
         if self.saved and self.saved[-1] == path:
             return path  # already saved at this step (periodic save, then a signal)
-        trainer.save_checkpoint(path, weights_only=False)
+        trainer.save_checkpoint(path, weights_only=False)  # ends with a barrier: every rank has written
+        if trainer.is_global_zero and path.is_dir():  # a sharded folder (torch DCP, DeepSpeed): seal it
+            seal_folder(path, {"global_step": trainer.global_step, "run_id": self.run_id})
         self.saved.append(path)
         self._last_save = time.monotonic()
         if trainer.is_global_zero:
-            self._prune()
+            self._prune(trainer.strategy.checkpoint_io)
         return path
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[RUN_ID_KEY] = self.run_id
 
-    def _is_kept_valid(self, path: Path) -> bool:
-        # Each kept file is hashed once (cached by size and mtime), so a corrupted newest file of the
-        # right size never pushes out the good ones; deleting only follows a full check.
+    def _is_kept_valid(self, path: Path, io: Any = None) -> bool:
+        # Each kept file is checked once (cached by size and mtime), so a corrupted newest file of the
+        # right size never pushes out the good ones; deleting only follows a full check. A file our own IO
+        # wrote, unchanged since, was checksummed from the bytes written: no second read of it.
         stat = path.stat()
         key = (str(path), stat.st_size, stat.st_mtime_ns)
+        if key not in self._verified and isinstance(io, AtomicCheckpointIO) and io.wrote(path):
+            self._verified[key] = True
         if key not in self._verified:
             verdict = verify(path)
             if not verdict:
@@ -384,9 +390,10 @@ class PreemptionCheckpoint(Callback):
             self._verified[key] = bool(verdict)
         return self._verified[key]
 
-    def _prune(self) -> None:
+    def _prune(self, io: Any = None) -> None:
         if self.keep_last is None:
             return
+        io = getattr(io, "checkpoint_io", io)  # ours inside Lightning's AsyncCheckpointIO too
         # Only this run's complete checkpoints count, so a write still in flight (async) never pushes
         # out the last good one and another run's files in a shared folder are never touched. Complete
         # means a manifest is there (an async write renames the file before it writes the manifest).
@@ -398,10 +405,13 @@ class PreemptionCheckpoint(Callback):
         kept = 0
         for path in ours:
             if kept < self.keep_last:
-                kept += self._is_kept_valid(path)
+                kept += self._is_kept_valid(path, io)
                 continue
-            path.unlink(missing_ok=True)
-            manifest_path(path).unlink(missing_ok=True)
+            if isinstance(io, AtomicCheckpointIO):
+                io.remove_checkpoint(path)  # async: queued behind the write in flight, off the training thread
+            else:
+                path.unlink(missing_ok=True)
+                manifest_path(path).unlink(missing_ok=True)
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

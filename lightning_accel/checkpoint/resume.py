@@ -30,7 +30,7 @@ def _order_key(path: Path) -> tuple[int, float]:
 
 
 def list_checkpoints(dirpath: PathLike, pattern: str = "*.ckpt") -> list[Path]:
-    """Checkpoint files in ``dirpath``, newest first (by global step, then modification time).
+    """Checkpoints in ``dirpath`` (files and sharded folders), newest first (by global step, then modification time).
 
     The step comes from the manifest, or from a ``step=N`` in the file name when the manifest is
     missing or unreadable, so such a file is not mistaken for the oldest.
@@ -38,7 +38,8 @@ def list_checkpoints(dirpath: PathLike, pattern: str = "*.ckpt") -> list[Path]:
     folder = Path(dirpath)
     if not folder.is_dir():
         return []
-    files = [p for p in folder.glob(pattern) if p.is_file() and TMP_MARKER not in p.name]
+    # files, and the folders sharded strategies write (torch DCP, DeepSpeed)
+    files = [p for p in folder.glob(pattern) if (p.is_file() or p.is_dir()) and TMP_MARKER not in p.name]
     return sorted(files, key=_order_key, reverse=True)
 
 

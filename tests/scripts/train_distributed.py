@@ -16,7 +16,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_accel  # noqa: F401  (registers the presets)
-from lightning_accel import TorchCompile
+from lightning_accel import PreemptionCheckpoint, TorchCompile, find_resume_checkpoint
 from lightning_accel.data import SyntheticTokenDataModule
 from lightning_accel.models import TinyGPT
 from lightning_accel.strategies import AccelFSDPStrategy
@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--activation-checkpointing", action="store_true", help="fp32 FSDP2 with activation checkpointing")
+    p.add_argument("--sharded-checkpoints", help="fp32 FSDP2 saving torch DCP folders here (PreemptionCheckpoint)")
+    p.add_argument("--resume", action="store_true", help="resume from the newest valid folder there")
     args = p.parse_args()
     torch.set_num_threads(1)
     seed_everything(0)
@@ -59,15 +61,21 @@ def main() -> None:
     if args.compile:
         callbacks.append(TorchCompile(backend="aot_eager"))
     strategy = AccelFSDPStrategy(activation_checkpointing=True) if args.activation_checkpointing else args.strategy
+    ckpt_path = None
+    if args.sharded_checkpoints:
+        strategy = AccelFSDPStrategy(save_distributed_checkpoint=True)
+        folder = Path(args.sharded_checkpoints)
+        callbacks = [record, PreemptionCheckpoint(folder, every_n_steps=5, keep_last=2)]
+        ckpt_path = find_resume_checkpoint(folder) if args.resume else None
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_steps=args.max_steps,
         callbacks=callbacks,
-        **quiet_trainer_kwargs(enable_checkpointing=True),
+        **quiet_trainer_kwargs(enable_checkpointing=not args.sharded_checkpoints),
     )
-    trainer.fit(model, datamodule=dm)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     rank = trainer.global_rank
     torch.save(full_state(trainer, model), out / f"weights_rank{rank}.pt")
     (out / f"losses_rank{rank}.json").write_text(json.dumps(record.losses))
