@@ -7,6 +7,7 @@ renames or changes one fails that test by name instead of breaking a training ru
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, get_args
 
 from lightning.fabric.connector import _PRECISION_INPUT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS_CONVERSION
@@ -14,6 +15,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
+from torch.distributed.constants import default_pg_timeout
 
 # The type of ``Trainer(precision=...)``: our CLI's Trainer accepts the same values (plus "auto-mixed").
 PrecisionInput = _PRECISION_INPUT
@@ -45,6 +47,11 @@ def saves_distributed_checkpoint(strategy: Strategy) -> bool:
 def is_last_batch(trainer: Trainer) -> bool:
     """Whether the batch the fit loop is on is its epoch's last (Lightning's private loop classes)."""
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def process_group_timeout(strategy: Strategy) -> timedelta:
+    """The collective timeout a DDP / ModelParallel strategy passes to ``init_process_group``."""
+    return getattr(strategy, "_timeout", None) or default_pg_timeout
 
 
 def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:

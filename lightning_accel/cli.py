@@ -6,6 +6,8 @@ Usage::
     lightning-accel fit --config recipes/tiny_gpt_cpu.yaml --trainer.max_steps 50 --ckpt_path auto
     lightning-accel profile --config recipes/tiny_gpt_cpu.yaml [--out runs/profile] [--active 5]
     lightning-accel doctor runs/profile
+    lightning-accel torchrun --nproc-per-node 2 --max-restarts 3 fit --config recipes/tiny_gpt_ddp_cpu.yaml
+    lightning-accel fit --config recipes/tiny_gpt_ddp_cpu.yaml --ray.num_workers 2 --ray.max_failures 2
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import ParallelStrategy
 
 import lightning_accel  # noqa: F401  (registers the strategy presets)
 from lightning_accel._compat import PrecisionInput
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.launch import torchrun
 from lightning_accel.monitor import GoodputMonitor
 from lightning_accel.precision import auto_precision
 from lightning_accel.profile import TorchProfiler, diagnose, load_run, report
 from lightning_accel.strategies import check_strategy_name, close_gloo_process_group_at_exit
+from lightning_accel.strategies.process_group import init_for_strategy
+from lightning_accel.strategies.ray_train import fit_on_ray, split_ray_args
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,8 @@ class AccelCLI(LightningCLI):
             self.parser.error(f"invalid trainer configuration: {err}")
 
     def before_fit(self) -> None:
+        if isinstance(self.trainer.strategy, ParallelStrategy):
+            init_for_strategy(self.trainer.strategy)  # stock strategies too: a group that survives torchrun restarts
         cfg = self.config[self.subcommand]
         if cfg.get("ckpt_path") != "auto":
             return
@@ -68,10 +76,10 @@ class AccelCLI(LightningCLI):
         self.config_init[self.subcommand]["ckpt_path"] = found
 
 
-def build_cli(args: list[str] | None = None, run: bool = True) -> AccelCLI:
+def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[AccelCLI] | None = None) -> AccelCLI:
     """Parse ``args`` (default: ``sys.argv``), build the objects and run the subcommand (``run=False``: only build;
-    ``args`` then has no subcommand)."""
-    return AccelCLI(
+    ``args`` then has no subcommand). ``cli_class``: a subclass of :class:`AccelCLI` (Ray's workers use one)."""
+    return (cli_class or AccelCLI)(
         LightningModule,
         LightningDataModule,
         trainer_class=AccelTrainer,
@@ -134,6 +142,20 @@ def profile(args: list[str]) -> int:
     return doctor([str(out)])
 
 
+def fit_with_ray(options: argparse.Namespace, args: list[str]) -> int:
+    """``lightning-accel fit ... --ray.num_workers N``: the recipe on Ray Train workers; 0, or 1 with Ray's error."""
+    try:
+        result = fit_on_ray(args, **vars(options))
+    except (ImportError, ValueError) as err:
+        log.error("%s", err)
+        return 2
+    if result.error is not None:
+        log.error("the Ray Train run failed after %d allowed restart(s): %s", options.max_failures, result.error)
+        return 1
+    log.info("Ray Train run finished: %s", {k: v for k, v in (result.metrics or {}).items() if "/" in k or k == "step"})
+    return 0
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -141,6 +163,11 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] in ("doctor", "profile"):
         raise SystemExit((doctor if argv[0] == "doctor" else profile)(argv[1:]))
+    if argv and argv[0] == "torchrun":
+        raise SystemExit(torchrun(argv[1:]))
+    ray_options, rest = split_ray_args(argv[1:]) if argv and argv[0] == "fit" else (None, argv)
+    if ray_options is not None:
+        raise SystemExit(fit_with_ray(ray_options, rest))
     build_cli(argv)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,10 @@ def test_strategy_attributes_still_exist():
     assert _compat.saves_distributed_checkpoint(strategy) is True
     assert _compat.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=False)) is False
     assert _compat.ddp_kwargs(DDPStrategy(bucket_cap_mb=7)) == {"bucket_cap_mb": 7}
+    # the timeout our torchrun process group uses is the one the strategy would have passed
+    assert _compat.process_group_timeout(DDPStrategy(timeout=timedelta(seconds=42))) == timedelta(seconds=42)
+    assert _compat.process_group_timeout(ModelParallelStrategy(timeout=timedelta(seconds=7))) == timedelta(seconds=7)
+    assert _compat.process_group_timeout(DDPStrategy()) == timedelta(minutes=30)
 
 
 def test_is_last_batch_follows_the_fit_loop(tmp_path):

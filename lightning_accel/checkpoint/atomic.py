@@ -345,6 +345,7 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
         self._staging = StagingBuffers()
+        self.write_seconds: list[float] = []  # each finished write, from the submit to durable on disk
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -354,10 +355,13 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accel-ckpt")
 
+        submitted = time.perf_counter()
+
         def write() -> None:
             if ready is not None:
                 ready.synchronize()  # the device-to-host copies queued by stage()
             AtomicCheckpointIO.save_checkpoint(self, staged, path)
+            self.write_seconds.append(time.perf_counter() - submitted)
 
         self._pending.append(self._executor.submit(write))
 

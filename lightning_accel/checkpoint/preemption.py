@@ -120,6 +120,9 @@ class PreemptionCheckpoint(Callback):
             ``trainer.should_stop`` instead, so ``fit`` returns normally (Lightning then runs the
             validation it runs before any early stop).
         exit_code: Exit status of a preempted run.
+        grace_period_s: Seconds between the signal and SIGKILL where this runs (30: torchrun's shutdown grace
+            and Kubernetes' default ``terminationGracePeriodSeconds``; Slurm's ``--signal=SIGTERM@N`` gives N).
+            Saves are timed to durability; the first one that would not fit warns, with the numbers and fixes.
     """
 
     def __init__(
@@ -132,8 +135,13 @@ class PreemptionCheckpoint(Callback):
         async_save: bool = False,
         exit_on_preempt: bool = True,
         exit_code: int = EXIT_CODE_PREEMPTED,
+        grace_period_s: float = 30.0,
     ) -> None:
         self.dirpath = Path(dirpath)
+        if grace_period_s <= 0:
+            raise ValueError(f"grace_period_s must be positive, got {grace_period_s}")
+        self.grace_period_s = grace_period_s
+        self.save_seconds: list[float] = []  # each save, start to durable: the stall, plus the write when async
         self.signals = [self._signal(name) for name in signals]
         for name, value in (
             ("every_n_steps", every_n_steps),
@@ -159,6 +167,8 @@ class PreemptionCheckpoint(Callback):
         self._validation_rng: _RNG | None = None
         self._deferred = False  # a save that fell on an epoch's last batch, done at the next step
         self._verified: dict[tuple[str, int, int], bool] = {}
+        self._stall = 0.0  # the last save's time on the training thread
+        self._async_write: int | None = None  # index in the IO's write_seconds of an async write not yet timed
 
     @staticmethod
     def _signal(name: str) -> signal.Signals:
@@ -172,6 +182,7 @@ class PreemptionCheckpoint(Callback):
         if stage != "fit":
             return
         self.preempted, self.saved, self._received, self._deferred = False, [], None, False
+        self.save_seconds, self._async_write = [], None
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
         self._verified.clear()
         strategy = trainer.strategy
@@ -313,6 +324,9 @@ class PreemptionCheckpoint(Callback):
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AsyncAtomicCheckpointIO):
             io.raise_if_failed()  # a failed background write (a full disk) stops training now
+            if self._async_write is not None and len(io.write_seconds) > self._async_write:
+                self._timed(self._stall + io.write_seconds[self._async_write])
+                self._async_write = None
         if trainer.global_step == self._step_at_batch_start:
             return  # inside an accumulation window: a checkpoint here would hold half of it
         signalled = trainer.strategy.reduce_boolean_decision(self._received is not None, all=False)
@@ -330,6 +344,20 @@ class PreemptionCheckpoint(Callback):
             return
         self._deferred = False
         self._save_or_stop(trainer, signalled)
+
+    def _timed(self, seconds: float) -> None:
+        self.save_seconds.append(seconds)
+        if len(self.save_seconds) > 1 or seconds <= self.grace_period_s:
+            return
+        rank_zero_warn(
+            f"PreemptionCheckpoint: a save took {seconds:.1f} s from start to durable, over the "
+            f"{self.grace_period_s:g} s grace period between a preemption signal and SIGKILL "
+            "(grace_period_s): a save at the signal would be cut off, and the run would resume from the "
+            "previous checkpoint (writes are atomic: it stays valid). Fixes: a faster disk for dirpath; "
+            "more frequent periodic saves (every_n_steps / every_n_seconds; async_save=True keeps them from "
+            "stalling training) so that less is lost; a longer grace period where you can set one (Kubernetes "
+            "terminationGracePeriodSeconds, Slurm --signal=SIGTERM@<seconds>)."
+        )
 
     @staticmethod
     def _is_final_step(trainer: Trainer) -> bool:
@@ -363,9 +391,17 @@ class PreemptionCheckpoint(Callback):
         path = self.dirpath / f"step={trainer.global_step:08d}.ckpt"
         if self.saved and self.saved[-1] == path:
             return path  # already saved at this step (periodic save, then a signal)
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AsyncAtomicCheckpointIO):
+            io.wait()  # (the save waits for the previous write anyway) so this save's write comes next
+            self._async_write = len(io.write_seconds)
+        start = time.monotonic()
         trainer.save_checkpoint(path, weights_only=False)  # ends with a barrier: every rank has written
         if trainer.is_global_zero and path.is_dir():  # a sharded folder (torch DCP, DeepSpeed): seal it
             seal_folder(path, {"global_step": trainer.global_step, "run_id": self.run_id})
+        self._stall = time.monotonic() - start
+        if not isinstance(io, AsyncAtomicCheckpointIO):
+            self._timed(self._stall)  # an async save is timed when its write has finished
         self.saved.append(path)
         self._last_save = time.monotonic()
         if trainer.is_global_zero:

@@ -7,7 +7,9 @@ from lightning_accel.strategies.process_group import (
     AccelDDPStrategy,
     close_gloo_process_group,
     close_gloo_process_group_at_exit,
+    init_for_strategy,
 )
+from lightning_accel.strategies.ray_train import RayReport, fit_on_ray
 
 __all__ = [
     "PRESETS",
@@ -15,10 +17,13 @@ __all__ = [
     "AccelDeepSpeedStrategy",
     "AccelFSDPStrategy",
     "Preset",
+    "RayReport",
     "check_strategy_name",
     "close_gloo_process_group",
     "close_gloo_process_group_at_exit",
     "find_block_classes",
+    "fit_on_ray",
+    "init_for_strategy",
     "register_presets",
     "zero3_config",
 ]

@@ -24,7 +24,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_accel._compat import materialize_distributed_module, optimizers_to_device, set_data_parallel_size
-from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit
+from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit, init_for_strategy
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class AccelFSDPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Pure data parallelism: every process is one shard ("auto" would give one shard per node).
         set_data_parallel_size(self, self.num_nodes * self.num_processes)
+        init_for_strategy(self)  # under torchrun: a group that survives its restarts
         super().setup_environment()
 
     def setup_distributed(self) -> None:

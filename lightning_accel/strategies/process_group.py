@@ -26,7 +26,10 @@ import gc
 import logging
 
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+
+from lightning_accel._compat import process_group_timeout
+from lightning_accel.strategies.elastic import init_elastic_process_group
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +53,21 @@ def close_gloo_process_group_at_exit() -> None:
     atexit.register(close_gloo_process_group)
 
 
+def init_for_strategy(strategy: ParallelStrategy) -> bool:
+    """Open ``strategy``'s process group on torchrun's store, namespaced by the restart attempt (see
+    :mod:`lightning_accel.strategies.elastic`); a no-op outside torchrun. Lightning then uses the open group."""
+    device = strategy.root_device
+    backend = getattr(strategy, "process_group_backend", None) or ("nccl" if device.type == "cuda" else "gloo")
+    return init_elastic_process_group(
+        backend, process_group_timeout(strategy), device if device.type == "cuda" else None
+    )
+
+
 class AccelDDPStrategy(DDPStrategy):
-    """Lightning's ``DDPStrategy``, plus the exit hook above (a no-op at exit unless the group is gloo)."""
+    """Lightning's ``DDPStrategy``, plus a process group that survives torchrun's restarts and the exit hook
+    above (a no-op at exit unless the group is gloo)."""
 
     def setup_distributed(self) -> None:
+        init_for_strategy(self)
         super().setup_distributed()
         close_gloo_process_group_at_exit()
