@@ -144,7 +144,40 @@ def remove_wrapper(trainer: Any, wrapper: Profiler) -> None:
         parent.inner = wrapper.inner  # type: ignore[attr-defined]
 
 
-class LedgerProfiler(Profiler):
+class ForwardingProfiler(Profiler):
+    """A profiler in front of ``inner`` (the user's, or another wrapper) that forwards all of it; subclasses add
+    their work in ``start`` / ``stop``. Installed for one fit and taken out with :func:`remove_wrapper`."""
+
+    def __init__(self, inner: Profiler) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def start(self, action_name: str) -> None:
+        self.inner.start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        self.inner.stop(action_name)
+
+    def setup(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.setup(*args, **kwargs)
+
+    def teardown(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.teardown(*args, **kwargs)
+
+    def describe(self) -> None:
+        self.inner.describe()
+
+    def summary(self) -> str:
+        return self.inner.summary()
+
+    def __getattr__(self, name: str) -> Any:  # attributes of the user's profiler (its own extras)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+class LedgerProfiler(ForwardingProfiler):
     """Lightning profiler that forwards everything to ``inner`` and charges ``ledger`` on the way.
 
     Installed as ``trainer.profiler`` for one fit by ``GoodputMonitor`` and removed at teardown, so a user's
@@ -152,8 +185,8 @@ class LedgerProfiler(Profiler):
     """
 
     def __init__(self, inner: Profiler, ledger: Ledger) -> None:
-        super().__init__()
-        self.inner, self.ledger = inner, ledger
+        super().__init__(inner)
+        self.ledger = ledger
         self._buckets: dict[str, str | None] = {}
         # Lightning's default profiler does nothing: then the ~30 actions per batch that charge no bucket
         # cost one dict lookup here, less than Lightning's own context manager would.
@@ -184,21 +217,3 @@ class LedgerProfiler(Profiler):
         bucket = self._bucket(action_name)
         if bucket is not None:
             self.ledger.exit(bucket)
-
-    def setup(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.setup(*args, **kwargs)
-
-    def teardown(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.teardown(*args, **kwargs)
-
-    def describe(self) -> None:
-        self.inner.describe()
-
-    def summary(self) -> str:
-        return self.inner.summary()
-
-    def __getattr__(self, name: str) -> Any:  # attributes of the user's profiler (its own extras)
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)

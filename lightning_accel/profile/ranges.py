@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.profilers import Profiler
 
 from lightning_accel._compat import SAVE_CHECKPOINT_ACTION, STRATEGY_ACTION_PREFIX, TRAIN_FETCH_ACTION
+from lightning_accel.monitor.ledger import ForwardingProfiler
 
 STRATEGY_PHASES = ((".batch_to_device", "transfer"), (".training_step", "forward"), (".backward", "backward"))
 PHASES = ("data", "transfer", "forward", "backward", "optimizer", "checkpoint")
@@ -30,7 +31,7 @@ def phase_of(action: str) -> str | None:
     return None
 
 
-class PhaseRanges(Profiler):
+class PhaseRanges(ForwardingProfiler):
     """Forwards every call to ``inner`` and opens a range named after the phase for the labelled actions.
 
     A ``torch.profiler.record_function`` range always (it costs nothing while no profiler records), an NVTX
@@ -38,8 +39,7 @@ class PhaseRanges(Profiler):
     """
 
     def __init__(self, inner: Profiler, nvtx: bool = False) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.nvtx = nvtx
         self._open: dict[str, list[Any]] = {}
 
@@ -60,21 +60,3 @@ class PhaseRanges(Profiler):
             open_ranges.pop().__exit__(None, None, None)
             if self.nvtx:
                 torch.cuda.nvtx.range_pop()
-
-    def setup(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.setup(*args, **kwargs)
-
-    def teardown(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.teardown(*args, **kwargs)
-
-    def describe(self) -> None:
-        self.inner.describe()
-
-    def summary(self) -> str:
-        return self.inner.summary()
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)

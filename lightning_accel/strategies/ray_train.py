@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,8 @@ def _worker(config: dict[str, Any]) -> None:
     """One Ray Train worker: ``lightning-accel fit`` with Ray's strategy, environment and devices."""
     from lightning_accel.cli import AccelCLI, build_cli
 
+    os.chdir(config["cwd"])  # Ray starts workers in its own run folder: relative paths are the driver's
+
     class RayCLI(AccelCLI):
         def instantiate_trainer(self, **kwargs: Any) -> Trainer:
             from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
@@ -104,7 +107,9 @@ def fit_on_ray(
 
     Connects to the cluster in ``RAY_ADDRESS`` (or starts a local one, as ``ray.init()`` does). ``args`` are
     those of ``lightning-accel fit`` (without the subcommand); use ``--ckpt_path auto`` with a
-    ``PreemptionCheckpoint`` on storage every worker sees, so restarts resume.
+    ``PreemptionCheckpoint`` on storage every worker sees, so restarts resume. Workers run in this process's
+    working directory, so relative paths (the recipe, its folders) mean what they mean here; on a cluster of
+    several machines that directory must exist on each (shared storage).
     """
     _require_ray()
     if num_workers < 1:
@@ -117,7 +122,7 @@ def fit_on_ray(
         ray.init()
     trainer = TorchTrainer(
         _worker,
-        train_loop_config={"args": ["fit", *args], "report_every_n_steps": report_every_n_steps},
+        train_loop_config={"args": ["fit", *args], "report_every_n_steps": report_every_n_steps, "cwd": os.getcwd()},
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(
             storage_path=str(Path(storage_path or "runs/ray").resolve()),

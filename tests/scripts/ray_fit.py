@@ -6,6 +6,7 @@ python tests/scripts/ray_fit.py MAX_FAILURES RECIPE_ROOT [RECIPE_ROOT ...]
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,8 @@ def main() -> None:
     max_failures, roots = int(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     for root in roots:
-        args = ["--config", str(root / "recipe.yaml"), "--ckpt_path", "auto"]
+        # relative to this process's folder, as a user types it: Ray's workers start elsewhere
+        args = ["--config", os.path.relpath(root / "recipe.yaml"), "--ckpt_path", "auto"]
         result = fit_on_ray(args, num_workers=2, max_failures=max_failures, storage_path=root / "ray")
         latest = None
         if result.checkpoint is not None:
