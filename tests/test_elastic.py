@@ -25,7 +25,7 @@ from lightning_accel.strategies.elastic import attempt_prefix, under_torchrun
 from .conftest import tiny_trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 40
+STEPS = 60
 RECIPE = """\
 seed_everything: 0
 trainer:
@@ -48,7 +48,7 @@ data:
   class_path: lightning_accel.data.SyntheticTokenDataModule
   init_args: {{num_samples: 4096, seq_len: 32, vocab_size: 64, batch_size: 8}}
 """
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "3"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "5"]
 OURS = [sys.executable, "-m", "lightning_accel.cli", "torchrun", "--nproc-per-node", "2", "--max-restarts", "3"]
 TIMEOUT = 150  # every wait is bounded: a hang fails the test instead of the suite
 
@@ -93,33 +93,39 @@ def assert_bitwise(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     assert all(torch.equal(got[k], v) for k, v in expected.items()), "weights differ from the uninterrupted run"
 
 
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The uninterrupted 2-rank run's final weights (torchrun, accel_ddp), shared by the restart tests."""
+    root = tmp_path_factory.mktemp("reference")
+    assert wait(start(TORCHRUN, root), root) == 0
+    return final_weights(root)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_torchrun_restarts_a_killed_worker_and_resumes_bitwise_five_times_in_a_row(tmp_path):
-    """The issue's command, plain torchrun: kill -9 a worker after the first checkpoint, five times (each
-    rank in turn, our accel_ddp and Lightning's own ddp); torchrun restarts the group, and the run finishes
-    equal to an uninterrupted one."""
-    reference = tmp_path / "reference"
-    assert wait(start(TORCHRUN, reference), reference) == 0
-    expected = final_weights(reference)
-    for trial in range(5):
-        root = tmp_path / f"trial{trial}"
-        proc = start(TORCHRUN, root, "ddp" if trial >= 3 else "accel_ddp")  # stock DDP too, fixed by our CLI
-        wait_for(root / "ckpt" / "step=00000010.ckpt.manifest.json", proc, root)
+def test_torchrun_restarts_a_killed_worker_five_times_and_resumes_bitwise(tmp_path, expected):
+    """The issue's command, plain torchrun (Lightning's own ddp: the CLI's fix): kill -9 a worker after each of
+    five checkpoints, each rank in turn; torchrun restarts the group every time, and the run finishes equal to
+    an uninterrupted one."""
+    proc = start(TORCHRUN, tmp_path, "ddp")
+    for kill in range(1, 6):
+        wait_for(tmp_path / "ckpt" / f"step={10 * kill:08d}.ckpt.manifest.json", proc, tmp_path)
         workers = sorted(psutil.Process(proc.pid).children(), key=lambda p: p.pid)
         assert len(workers) == 2
-        workers[trial % 2].send_signal(signal.SIGKILL)
-        assert wait(proc, root) == 0, (root / "log.txt").read_text()[-3000:]
-        log = (root / "log.txt").read_text()
-        assert "attempt_1" in log and "connectFullMesh" not in log  # restarted once, on a clean namespace
-        assert_bitwise(final_weights(root), expected)
+        workers[kill % 2].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT  # the restarted group is up before the next kill
+        while f"attempt_{kill}" not in (tmp_path / "log.txt").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+            time.sleep(0.1)
+    assert wait(proc, tmp_path) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    log = (tmp_path / "log.txt").read_text()
+    assert "connectFullMesh" not in log  # every attempt on a clean namespace
+    assert_bitwise(final_weights(tmp_path), expected)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sigterm_to_our_launcher_saves_exits_75_and_the_same_command_resumes(tmp_path):
-    reference = tmp_path / "reference"
-    assert wait(start(OURS, reference), reference) == 0
+def test_sigterm_to_our_launcher_saves_exits_75_and_the_same_command_resumes(tmp_path, expected):
     root = tmp_path / "run"
     proc = start(OURS, root)
     wait_for(root / "ckpt" / "step=00000010.ckpt.manifest.json", proc, root)
@@ -131,7 +137,7 @@ def test_sigterm_to_our_launcher_saves_exits_75_and_the_same_command_resumes(tmp
     saved = sorted(p.name for p in (root / "ckpt").glob("*.ckpt"))
     assert saved[-1] > "step=00000010.ckpt"  # the save at the signal
     assert wait(start(OURS, root), root) == 0  # the same command again: resumes and finishes
-    assert_bitwise(final_weights(root), final_weights(reference))
+    assert_bitwise(final_weights(root), expected)
 
 
 def test_launcher_usage_errors_and_torchrun_detection(monkeypatch, capsys):
@@ -192,19 +198,19 @@ def test_a_signal_skips_the_validation_that_was_due(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ray_train_restarts_a_killed_worker_and_resumes_from_our_checkpoint(tmp_path):
+def test_ray_train_restarts_a_killed_worker_and_resumes_from_our_checkpoint(tmp_path, expected):
     """A real local Ray cluster (2 CPUs), 2 Ray Train workers: one killed mid-run, FailureConfig restarts the
-    group, --ckpt_path auto resumes from our checkpoint, and the weights equal an uninterrupted Ray run's."""
+    group, --ckpt_path auto resumes from our checkpoint, and the weights equal the uninterrupted 2-rank run's
+    (Ray's DDP and torchrun's compute the same model, bit for bit)."""
     pytest.importorskip("ray.train.lightning", reason="Ray Train is the optional [ray] extra (make test installs it)")
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    for root in (reference, killed):
-        recipe(root)
-        text = (root / "recipe.yaml").read_text()
-        (root / "recipe.yaml").write_text(text.replace("    - class_path: lightning_accel.PreemptionCheckpoint",
-            "    - class_path: lightning_accel.GoodputMonitor\n      init_args: {every_n_steps: 10}\n"
-            "    - class_path: lightning_accel.PreemptionCheckpoint"))  # fmt: skip
+    killed = tmp_path / "killed"
+    recipe(killed)
+    text = (killed / "recipe.yaml").read_text()
+    (killed / "recipe.yaml").write_text(text.replace("    - class_path: lightning_accel.PreemptionCheckpoint",
+        "    - class_path: lightning_accel.GoodputMonitor\n      init_args: {every_n_steps: 10}\n"
+        "    - class_path: lightning_accel.PreemptionCheckpoint"))  # fmt: skip
     log = open(tmp_path / "log.txt", "w")
-    script = [sys.executable, str(ROOT / "tests/scripts/ray_fit.py"), "2", str(reference), str(killed)]
+    script = [sys.executable, str(ROOT / "tests/scripts/ray_fit.py"), "2", str(killed)]
     proc = subprocess.Popen(script, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(killed / "ckpt" / "step=00000010.ckpt.manifest.json", proc, tmp_path)
@@ -215,15 +221,13 @@ def test_ray_train_restarts_a_killed_worker_and_resumes_from_our_checkpoint(tmp_
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    for root in (reference, killed):
-        result = json.loads((root / "result.json").read_text())
-        assert result["error"] is None, result["error"]
-        # our callbacks reported to Ray: the ledger's shares, and a Ray checkpoint naming our newest file
-        assert result["metrics"]["step"] == STEPS and 0 < result["metrics"]["goodput/compute_share"] <= 1
-        assert result["latest"] == {"path": str(root / "ckpt" / f"step={STEPS:08d}.ckpt"), "global_step": STEPS}
-    log_text = (tmp_path / "log.txt").read_text()
-    assert "resuming from" in log_text  # the restarted group resumed from our checkpoint
-    assert_bitwise(final_weights(killed), final_weights(reference))
+    result = json.loads((killed / "result.json").read_text())
+    assert result["error"] is None, result["error"]
+    # our callbacks reported to Ray: the ledger's shares, and a Ray checkpoint naming our newest file
+    assert result["metrics"]["step"] == STEPS and 0 < result["metrics"]["goodput/compute_share"] <= 1
+    assert result["latest"] == {"path": str(killed / "ckpt" / f"step={STEPS:08d}.ckpt"), "global_step": STEPS}
+    assert "resuming from" in (tmp_path / "log.txt").read_text()  # the restarted group resumed from our checkpoint
+    assert_bitwise(final_weights(killed), expected)
 
 
 def test_ray_options_are_split_from_the_fit_arguments():

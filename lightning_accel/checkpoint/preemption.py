@@ -324,9 +324,7 @@ class PreemptionCheckpoint(Callback):
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AsyncAtomicCheckpointIO):
             io.raise_if_failed()  # a failed background write (a full disk) stops training now
-            if self._async_write is not None and len(io.write_seconds) > self._async_write:
-                self._timed(self._stall + io.write_seconds[self._async_write])
-                self._async_write = None
+            self._time_finished_write(io)
         if trainer.global_step == self._step_at_batch_start:
             return  # inside an accumulation window: a checkpoint here would hold half of it
         signalled = trainer.strategy.reduce_boolean_decision(self._received is not None, all=False)
@@ -344,6 +342,11 @@ class PreemptionCheckpoint(Callback):
             return
         self._deferred = False
         self._save_or_stop(trainer, signalled)
+
+    def _time_finished_write(self, io: AsyncAtomicCheckpointIO) -> None:
+        if self._async_write is not None and len(io.write_seconds) > self._async_write:
+            self._timed(self._stall + io.write_seconds[self._async_write])
+            self._async_write = None
 
     def _timed(self, seconds: float) -> None:
         self.save_seconds.append(seconds)
@@ -394,6 +397,7 @@ class PreemptionCheckpoint(Callback):
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AsyncAtomicCheckpointIO):
             io.wait()  # (the save waits for the previous write anyway) so this save's write comes next
+            self._time_finished_write(io)
             self._async_write = len(io.write_seconds)
         start = time.monotonic()
         trainer.save_checkpoint(path, weights_only=False)  # ends with a barrier: every rank has written

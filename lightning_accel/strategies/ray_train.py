@@ -42,6 +42,7 @@ class RayReport(Callback):
     def __init__(self, every_n_steps: int = 10) -> None:
         self.every_n_steps = every_n_steps
         self._saves = 0
+        self._last_step = -1
 
     @staticmethod
     def _metrics(trainer: Trainer) -> dict[str, float]:
@@ -70,7 +71,9 @@ class RayReport(Callback):
             ray.train.report(self._metrics(trainer), checkpoint=ray.train.Checkpoint.from_directory(folder))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.global_step % self.every_n_steps == 0:
+        # once per optimizer step (micro-batches of an accumulation window share the step)
+        if trainer.global_step % self.every_n_steps == 0 and trainer.global_step != self._last_step:
+            self._last_step = trainer.global_step
             self._report(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
