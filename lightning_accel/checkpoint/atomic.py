@@ -174,6 +174,15 @@ def _verify_zip(path: Path, why: str) -> Verdict:
     return Verdict(True, f"{why}; the zip container and its CRCs are intact", "zip")
 
 
+def file_digest(path: Path, kind: str = CHECKSUM) -> str:
+    """Hex digest of a file's bytes, read in 4 MB chunks: ``"xxh3_64"`` (ours) or ``"sha256"`` (format-1 manifests)."""
+    hasher = xxhash.xxh3_64() if kind == CHECKSUM else hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
 def verify(path: PathLike, checksum: bool = True) -> Verdict:
     """Check that ``path`` is a complete checkpoint (a file, or a sharded folder: see ``sharded.verify_folder``).
 
@@ -198,11 +207,7 @@ def verify(path: PathLike, checksum: bool = True) -> Verdict:
     if not checksum:
         return Verdict(True, checked_by="size")
     kind, label = (CHECKSUM, "xxh3-64 checksum") if CHECKSUM in manifest else ("sha256", "SHA-256")
-    hasher = xxhash.xxh3_64() if kind == CHECKSUM else hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            hasher.update(chunk)
-    if hasher.hexdigest() != manifest.get(kind):
+    if file_digest(path, kind) != manifest.get(kind):
         return Verdict(False, f"{label} does not match the manifest (file altered or torn)", kind)
     return Verdict(True, checked_by=kind)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import signal
 import threading
 import time
@@ -449,8 +450,11 @@ class PreemptionCheckpoint(Callback):
                 continue
             if isinstance(io, AtomicCheckpointIO):
                 io.remove_checkpoint(path)  # async: queued behind the write in flight, off the training thread
-            else:
-                path.unlink(missing_ok=True)
+            else:  # a checkpoint IO of the user's
+                if path.is_dir():  # a sharded folder
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
                 manifest_path(path).unlink(missing_ok=True)
 
     # -- state --------------------------------------------------------------------------------------

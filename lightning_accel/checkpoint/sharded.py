@@ -16,27 +16,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from lightning_accel.checkpoint.atomic import (
     CHECKSUM,
     MANIFEST_FORMAT,
     Verdict,
     _fsync_dir,
     _write_durably,
+    file_digest,
     manifest_path,
 )
 
 CHECKSUM_LIMIT = 64 * 2**20  # files up to this size are checksummed: metadata, not shards
 DCP_METADATA = ".metadata"
-
-
-def _checksum(path: Path) -> str:
-    hasher = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def _files(folder: Path) -> list[Path]:
@@ -49,7 +40,7 @@ def seal_folder(folder: Path, meta: dict[str, Any] | None = None) -> dict[str, A
     for path in _files(folder):
         entry: dict[str, Any] = {"bytes": path.stat().st_size}
         if entry["bytes"] <= CHECKSUM_LIMIT:
-            entry[CHECKSUM] = _checksum(path)
+            entry[CHECKSUM] = file_digest(path)
         files[path.relative_to(folder).as_posix()] = entry
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -77,6 +68,6 @@ def verify_folder(folder: Path, manifest: dict[str, Any] | None, checksum: bool 
             return Verdict(False, f"{name} is missing from the folder", "size")
         if path.stat().st_size != entry.get("bytes"):
             return Verdict(False, f"{name}: size {path.stat().st_size} != {entry.get('bytes')} (truncated?)", "size")
-        if checksum and CHECKSUM in entry and _checksum(path) != entry[CHECKSUM]:
+        if checksum and CHECKSUM in entry and file_digest(path) != entry[CHECKSUM]:
             return Verdict(False, f"{name}: xxh3-64 checksum does not match the manifest (altered or torn)", CHECKSUM)
     return Verdict(True, checked_by=CHECKSUM if checksum else "size")
