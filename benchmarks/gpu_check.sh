@@ -64,7 +64,7 @@ step strategies 100 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
 step checkpoint 60 $PY -m benchmarks.checkpoint_async --gpu --params-m 50 --steps 30 --every 10 --rounds 1 --out "$RES"
 # 5. DALI mixed decode vs CPU backend vs torch DataLoader (only where DALI is installed)
 if $PY -c "import nvidia.dali" 2>/dev/null; then
-  step dataloading 50 $PY -m benchmarks.dataloading --gpu --images 512 --workers 8 --out "$RES"
+  step dataloading 50 $PY -m benchmarks.dataloading --gpu --images 512 --workers 8 --rounds 3 --out "$RES"
 else
   echo "dataloading skipped: nvidia-dali-cuda120 is not installed on this machine" | tee -a "$RES/status.txt"
 fi

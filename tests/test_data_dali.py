@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ pytest.importorskip(
 )
 
 from lightning_accel.data import DALIImageDataModule
+from lightning_accel.data.dali import IMAGENET_MEAN, IMAGENET_STD
 from lightning_accel.monitor import GoodputMonitor
 
 from .conftest import requires_cuda, tiny_trainer_kwargs
@@ -195,9 +199,109 @@ def test_unreadable_image_is_named(image_dir, tmp_path):
 
 
 @requires_cuda
-def test_gpu_mixed_decode(image_dir):
-    dm = DALIImageDataModule(train_dir=str(image_dir), batch_size=4, image_size=8, device="gpu")
+def test_gpu_mixed_decode(image_dir, tmp_path):
+    """nvJPEG (hardware decoder share set) with ROI decode for training, full decode for validation: batches
+    arrive on the GPU with the CPU backend's shapes and the same solid colours."""
+    jpegs = tmp_path / "jpegs"
+    for k in range(8):
+        (jpegs / f"class_{k % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (64, 48), color(k)).save(jpegs / f"class_{k % 2}" / f"{k}.jpg", quality=95)
+    dm = DALIImageDataModule(
+        train_dir=str(jpegs), val_dir=str(jpegs), batch_size=4, image_size=8, device="gpu", hw_decoder_load=0.75
+    )
     dm.setup("fit")
     images, labels = next(iter(dm.train_dataloader()))
-    assert images.device.type == "cuda" and images.shape == (4, 3, 8, 8)
-    assert labels.shape == (4,)
+    assert images.device.type == "cuda" and images.shape == (4, 3, 8, 8) and images.dtype == torch.float32
+    assert labels.device.type == "cuda" and labels.shape == (4,)
+    val = [x for x, _ in dm.val_dataloader()]
+    assert [x.shape[0] for x in val] == [4, 4] and val[0].device.type == "cuda"
+    cpu = make(jpegs, val_dir=str(jpegs), image_size=8, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    torch.testing.assert_close(val[0].cpu(), next(iter(cpu.val_dataloader()))[0], atol=0.1, rtol=0)
+
+
+def write_id_images(root: Path, count: int) -> Path:
+    for k in range(count):
+        folder = root / f"class_{k % CLASSES}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (24 + k % 5, 20 + k % 3), color(k)).save(folder / f"{k}.png")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_ranks_see_equal_batches_and_fixed_lengths_every_epoch(tmp_path):
+    """25 images on 2 gloo ranks (shards of 12 and 13), batches of 4, three epochs, for folders and arrays and
+    each last-batch policy: both ranks train the same number of batches, none empty (BatchNorm in the model),
+    ``len()`` is the same before and after every epoch and matches what each rank trains, and every sample is
+    trained each epoch (the short shard repeats a sample, as DistributedSampler does)."""
+    root = write_id_images(tmp_path / "images", 25)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).parent / "scripts" / "dali_ddp_epochs.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(root), str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    expected = {"partial": [4, 4, 4, 1], "drop": [4, 4, 4], "fill": [4, 4, 4, 4]}
+    for case, epochs_rank0 in ranks[0].items():
+        policy = case.split("-")[1]
+        for epoch, (e0, e1) in enumerate(zip(epochs_rank0, ranks[1][case], strict=True)):
+            for e in (e0, e1):
+                sizes = [len(b) for b in e["train"]]
+                assert sizes == expected[policy], (case, epoch, sizes)
+                assert e["len_start"] == e["len_end"] == e["num_training_batches"] == len(sizes), (case, epoch, e)
+                assert [len(b) for b in e["val"]] == [4, 4, 4, 1], (case, epoch)  # validation is always partial
+            trained = [i for b in e0["train"] + e1["train"] for i in b]
+            if policy != "drop":
+                assert set(trained) == set(range(25)), (case, epoch)
+            assert {i for b in e0["val"] + e1["val"] for i in b} == set(range(25)), (case, epoch)
+        assert epochs_rank0[0]["train"] != epochs_rank0[1]["train"], case  # reshuffled each epoch
+
+
+@pytest.mark.parametrize("stick_to_shard", [False, True])
+def test_resume_mid_epoch_cuts_the_right_last_batch(tmp_path, stick_to_shard):
+    """A folder of 25 on shard 0 of 2 (12 images, the short shard), batches of 5, partial: [5, 5, 3] with the
+    cut filled batch. Stopped after one batch and rebuilt from the state, the rest of the epoch and the next
+    epoch are bitwise what the uninterrupted loader gives, including the cut; for both reading orders."""
+    root = write_id_images(tmp_path / "images", 25)
+
+    def loader():
+        return make(root, batch_size=5, shard_id=0, num_shards=2, stick_to_shard=stick_to_shard).train_dataloader()
+
+    whole = loader()
+    reference = [[x for x, _ in whole] for _ in range(2)]
+    assert [len(x) for x in reference[0]] == [5, 5, 3]
+    first = loader()
+    it = iter(first)
+    assert torch.equal(next(it)[0], reference[0][0])
+    state = first.state_dict()
+    assert state["batches_in_epoch"] == 1
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [x for x, _ in resumed]
+    assert len(rest) == 2 and all(torch.equal(a, b) for a, b in zip(rest, reference[0][1:], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip([x for x, _ in resumed], reference[1], strict=True))
+
+
+def test_stick_to_shard_keeps_each_rank_on_its_files(image_dir):
+    shards = [make(image_dir, shard_id=i, num_shards=2, stick_to_shard=True).train_dataloader() for i in range(2)]
+    epochs = [[epoch_ids(s) for _ in range(3)] for s in shards]
+    for own in epochs:
+        assert len({frozenset(e) for e in own}) == 1 and all(len(e) == 12 for e in own)  # same files each epoch
+        assert len({tuple(e) for e in own}) > 1  # shuffled inside the shard
+    assert set(epochs[0][0]).isdisjoint(epochs[1][0]) and set(epochs[0][0]) | set(epochs[1][0]) == set(range(N))
+
+
+def test_speed_knobs_are_checked_and_threads_default_to_the_cores(image_dir, monkeypatch):
+    with pytest.raises(ValueError, match="at least 1, got 0, 2"):
+        DALIImageDataModule(train_dir=str(image_dir), num_threads=0)
+    with pytest.raises(ValueError, match="at least 1, got None, 0"):
+        DALIImageDataModule(train_dir=str(image_dir), prefetch_queue_depth=0)
+    with pytest.raises(ValueError, match=r"hw_decoder_load is a share between 0 and 1, got 1\.5"):
+        DALIImageDataModule(train_dir=str(image_dir), hw_decoder_load=1.5)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert DALIImageDataModule(train_dir=str(image_dir))._num_threads() == 2  # 16 cores over 8 ranks
+    assert DALIImageDataModule(train_dir=str(image_dir), num_threads=5)._num_threads() == 5
+    dm = make(image_dir, num_threads=None, prefetch_queue_depth=3, exec_dynamic=True)
+    assert [x.shape[0] for x, _ in dm.train_dataloader()] == [4] * 6

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -97,16 +98,20 @@ class _ArrayShardSource:
         n = len(self.images)
         return n * self.shard_id // self.num_shards, n * (self.shard_id + 1) // self.num_shards
 
+    def shard_size(self) -> int:
+        # Every rank gets ceil(n/k) samples (the short shards repeat their last one), as Lightning's
+        # DistributedSampler does: unequal batch counts would leave one DDP rank waiting for good.
+        return math.ceil(len(self.images) / self.num_shards)
+
     def shard_indices(self, epoch: int) -> np.ndarray:
         n = len(self.images)
         order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
         start, end = self._bounds()
-        return order[start:end]
+        own = order[start:end]
+        return np.concatenate([own, np.repeat(own[-1:], self.shard_size() - len(own))])
 
     def num_batches(self) -> int:
-        start, end = self._bounds()  # the shard's size is the same every epoch
-        size = end - start
-        return size // self.batch_size if self.last_batch == "drop" else math.ceil(size / self.batch_size)
+        return batches_per_epoch(self.shard_size(), self.batch_size, self.last_batch)
 
     def __call__(self, info: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
         if info.iteration >= self.num_batches():
@@ -117,6 +122,11 @@ class _ArrayShardSource:
         if len(idx) < self.batch_size and self.last_batch == "fill":  # pad with the last sample, like DALI's FILL
             idx = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])
         return [self.images[i] for i in idx], [self.labels[i : i + 1] for i in idx]
+
+
+def batches_per_epoch(shard_size: int, batch_size: int, last_batch: str) -> int:
+    """Batches one rank sees per epoch: the same on every rank, and the same every epoch."""
+    return shard_size // batch_size if last_batch == "drop" else math.ceil(shard_size / batch_size)
 
 
 class DALILoader:
@@ -134,10 +144,16 @@ class DALILoader:
         source: str,
         shard_id: int = 0,
         length: int | None = None,
+        last_size: int | None = None,
     ) -> None:
         self._build, self.as_dict, self.source, self.shard_id = build, as_dict, source, shard_id
         self.iterator = build(None)
         self.length = len(self.iterator) if length is None else length
+        # The epoch's last batch is cut to this many samples: DALI fills it (FILL) and we cut it to the
+        # size every rank shares, because its PARTIAL policy hands a short shard an empty batch.
+        self.last_size = last_size
+        self._handed = 0  # batches handed out this epoch: says which batch is the last after a resume
+        self._resumed = False
 
     def state_dict(self) -> dict[str, Any]:
         """DALI's checkpoint of every rank's pipeline (indexed by shard) at the last batch handed out.
@@ -146,12 +162,13 @@ class DALILoader:
         position and augmentation generators) is gathered here; it calls this on every rank.
         """
         own = self.iterator.checkpoints()[0]
+        state: dict[str, Any] = {"dali_checkpoints": [own], "batches_in_epoch": self._handed}
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, (self.shard_id, own))
             by_shard = dict(gathered)
-            return {"dali_checkpoints": [by_shard[i] for i in sorted(by_shard)]}
-        return {"dali_checkpoints": [own]}
+            state["dali_checkpoints"] = [by_shard[i] for i in sorted(by_shard)]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Rebuild the pipeline from this shard's checkpoint made by :meth:`state_dict`."""
@@ -164,17 +181,25 @@ class DALILoader:
                 "resuming with a different world size is not exact (see docs/checkpointing.md)"
             )
         self.iterator = self._build(checkpoints[self.shard_id])
+        self._handed, self._resumed = int(state.get("batches_in_epoch", 0)), True
 
     def __len__(self) -> int:
         return self.length
 
     def __iter__(self) -> Iterator[Any]:
+        if not self._resumed:
+            self._handed = 0
+        self._resumed = False
         try:
             for out in self.iterator:  # auto_reset: the next __iter__ starts the next epoch
                 images, labels = out[0]["images"], out[0]["labels"].view(-1).long()
+                self._handed += 1
+                if self.last_size is not None and self._handed == self.length:
+                    images, labels = images[: self.last_size], labels[: self.last_size]
                 yield {"images": images, "labels": labels} if self.as_dict else (images, labels)
         except RuntimeError as err:
             raise explain_dali_error(err, self.source) from err
+        self._handed = 0
 
 
 def explain_dali_error(err: RuntimeError, source: str) -> RuntimeError:
@@ -194,9 +219,15 @@ class DALIImageDataModule(LightningDataModule):
     """Image classification data through DALI, from a folder (``ROOT/CLASS/IMG.jpg``) or numpy arrays.
 
     Training augmentation: random resized crop, horizontal flip, optional color jitter, normalize, CHW.
-    Validation: resize the shorter side to ``image_size / center_crop_ratio``, center crop, normalize.
-    With CUDA, JPEG decoding is ``mixed`` (nvJPEG) and augmentation runs on the GPU; otherwise DALI's
-    CPU backend runs the same graph (``device_id=None``).
+    From a folder, the crop is fused into the decoder (``fn.decoders.image_random_crop``), so only the
+    kept region of a JPEG is decoded. Validation: resize the shorter side to
+    ``image_size / center_crop_ratio``, center crop, normalize. With CUDA, JPEG decoding is ``mixed``
+    (nvJPEG, and the hardware JPEG decoder where the GPU has one), augmentation runs on the GPU and the
+    batches arrive on the training device; otherwise DALI's CPU backend runs the same graph
+    (``device_id=None``).
+
+    Every rank sees the same number of batches, every epoch: shards are padded to ``ceil(N / ranks)``
+    samples by repeating samples, as Lightning's ``DistributedSampler`` does.
 
     Args:
         train_dir / val_dir: Image folders (class subfolders); or give ``train_arrays`` / ``val_arrays``.
@@ -207,10 +238,17 @@ class DALIImageDataModule(LightningDataModule):
         flip_prob: Probability of a horizontal flip in training.
         color_jitter: Brightness/contrast/saturation jitter strength (0 disables it).
         scale: Area range of the random resized crop.
+        ratio: Aspect-ratio (width / height) range of the random resized crop.
         center_crop_ratio: Validation crop size over resize size.
         last_batch: ``"partial"`` (smaller last batch), ``"drop"``, or ``"fill"`` (pad by repeating samples).
         device: ``"auto"`` (GPU if available), ``"gpu"`` or ``"cpu"``.
-        num_threads: DALI CPU worker threads.
+        num_threads: DALI CPU worker threads (default: the CPU cores this process may use, shared
+            among the node's ranks).
+        prefetch_queue_depth: Batches DALI prepares ahead of the one being trained on.
+        stick_to_shard: Keep each rank on its own files every epoch (shuffled within the shard) instead
+            of one global shuffle per epoch: less reading from remote storage, less mixing.
+        hw_decoder_load: Share of JPEGs sent to the GPU's hardware decoder (``mixed`` only; default DALI's).
+        exec_dynamic: DALI's dynamic executor (``None``: DALI's default).
         seed: Shuffle and augmentation seed (augmentation is offset by rank).
         as_dict: Yield ``{"images", "labels"}`` instead of a tuple.
         shard_id / num_shards: Override the shard (default: the trainer's global rank and world size).
@@ -229,10 +267,15 @@ class DALIImageDataModule(LightningDataModule):
         flip_prob: float = 0.5,
         color_jitter: float = 0.0,
         scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
         center_crop_ratio: float = 0.875,
         last_batch: Literal["partial", "drop", "fill"] = "partial",
         device: Literal["auto", "gpu", "cpu"] = "auto",
-        num_threads: int = 4,
+        num_threads: int | None = None,
+        prefetch_queue_depth: int = 2,
+        stick_to_shard: bool = False,
+        hw_decoder_load: float | None = None,
+        exec_dynamic: bool | None = None,
         seed: int = 0,
         as_dict: bool = False,
         shard_id: int | None = None,
@@ -247,6 +290,12 @@ class DALIImageDataModule(LightningDataModule):
             raise ValueError("DALIImageDataModule needs train_dir= (an image folder) or train_arrays=(images, labels)")
         if last_batch not in _POLICIES:
             raise ValueError(f"last_batch must be one of {sorted(_POLICIES)}, got {last_batch!r}")
+        if (num_threads is not None and num_threads < 1) or prefetch_queue_depth < 1:
+            raise ValueError(
+                f"num_threads and prefetch_queue_depth must be at least 1, got {num_threads}, {prefetch_queue_depth}"
+            )
+        if hw_decoder_load is not None and not 0.0 <= hw_decoder_load <= 1.0:
+            raise ValueError(f"hw_decoder_load is a share between 0 and 1, got {hw_decoder_load}")
         if device == "gpu" and not torch.cuda.is_available():
             raise ValueError("device='gpu' was requested but no CUDA device is visible; use device='auto' or 'cpu'")
         for name, arrays in (("train_arrays", train_arrays), ("val_arrays", val_arrays)):
@@ -277,6 +326,15 @@ class DALIImageDataModule(LightningDataModule):
             return self.trainer.global_rank, self.trainer.world_size
         return 0, 1
 
+    def _num_threads(self) -> int:
+        if self.hparams.num_threads is not None:
+            return self.hparams.num_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.trainer is not None:
+            per_node = max(per_node, len(self.trainer.device_ids))
+        return max(1, cores // per_node)
+
     def _device_id(self) -> int | None:
         if not self.use_gpu:
             return None
@@ -297,6 +355,81 @@ class DALIImageDataModule(LightningDataModule):
             self._val_files = (files, labels)
 
     # -- pipelines ----------------------------------------------------------------------------------
+    def _decode_kwargs(self) -> dict[str, Any]:
+        if not self.use_gpu:
+            return {}
+        # nvJPEG buffers sized for ImageNet-like JPEGs up front (DALI's ResNet-50 example), so they are not
+        # reallocated in the first epochs.
+        kw: dict[str, Any] = {"device_memory_padding": 211_025_920, "host_memory_padding": 140_544_512}
+        if self.hparams.hw_decoder_load is not None:
+            kw["hw_decoder_load"] = self.hparams.hw_decoder_load
+        return kw
+
+    def _reader(self, file_list: tuple[list[str], list[int]], train: bool, shard_id: int, num_shards: int) -> Any:
+        hp = self.hparams
+        if train and hp.stick_to_shard:
+            order: dict[str, Any] = {"stick_to_shard": True, "random_shuffle": True, "seed": hp.seed}
+        else:
+            # One global permutation per epoch with the same seed on every rank, so shards never overlap.
+            order = {"shuffle_after_epoch": train, "shuffle_after_epoch_seed": hp.seed} if train else {}
+        return fn.readers.file(
+            files=file_list[0],
+            labels=file_list[1],
+            shard_id=shard_id,
+            num_shards=num_shards,
+            pad_last_batch=True,  # every rank's shard has the same length: the largest one's
+            name=_READER,
+            **order,
+        )
+
+    def _augment(self, images: Any, encoded: Any, train: bool) -> Any:
+        """The training or validation graph after reading: ``encoded`` is set for files, else decoded arrays."""
+        hp = self.hparams
+        decode_device, aug_device = ("mixed", "gpu") if self.use_gpu else ("cpu", "cpu")
+        size = (hp.image_size, hp.image_size)
+        if train:
+            if encoded is not None:
+                # Decode only the region the random crop keeps (libjpeg-turbo / nvJPEG ROI decode).
+                images = fn.decoders.image_random_crop(
+                    encoded,
+                    device=decode_device,
+                    output_type=types.RGB,
+                    random_area=list(hp.scale),
+                    random_aspect_ratio=list(hp.ratio),
+                    **self._decode_kwargs(),
+                )
+                images = fn.resize(images, size=size, device=aug_device)
+            else:
+                images = fn.random_resized_crop(
+                    images, size=size, random_area=list(hp.scale), random_aspect_ratio=list(hp.ratio), device=aug_device
+                )
+            if hp.color_jitter > 0:
+                j = hp.color_jitter
+                images = fn.color_twist(
+                    images,
+                    brightness=fn.random.uniform(range=(1 - j, 1 + j)),
+                    contrast=fn.random.uniform(range=(1 - j, 1 + j)),
+                    saturation=fn.random.uniform(range=(1 - j, 1 + j)),
+                    device=aug_device,
+                )
+            mirror, crop = fn.random.coin_flip(probability=hp.flip_prob), None
+        else:
+            if encoded is not None:
+                kw = self._decode_kwargs()
+                images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **kw)
+            images = fn.resize(images, resize_shorter=round(hp.image_size / hp.center_crop_ratio), device=aug_device)
+            mirror, crop = 0, size
+        return fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            crop=crop,
+            mean=list(hp.mean),
+            std=list(hp.std),
+            mirror=mirror,
+            device=aug_device,
+        )
+
     def _loader(self, train: bool) -> DALILoader:
         hp = self.hparams
         shard_id, num_shards = self._shard()
@@ -306,35 +439,19 @@ class DALIImageDataModule(LightningDataModule):
             raise RuntimeError("DALIImageDataModule.setup() must run before its dataloaders are requested")
         arrays = self.train_arrays if train else self.val_arrays
         source_name = str(folder or "arrays")  # named in error messages
-        decode_device, aug_device = ("mixed", "gpu") if self.use_gpu else ("cpu", "cpu")
+        policy = hp.last_batch if train else "partial"
         source: _ArrayShardSource | None = None
         if folder is None:
             assert arrays is not None
             source = _ArrayShardSource(
-                *arrays,
-                hp.batch_size,
-                shard_id,
-                num_shards,
-                shuffle=train,
-                seed=hp.seed,
-                last_batch=hp.last_batch if train else "partial",
+                *arrays, hp.batch_size, shard_id, num_shards, shuffle=train, seed=hp.seed, last_batch=policy
             )
 
         @pipeline_def
         def pipeline() -> tuple[Any, Any]:
             if source is None:
-                # shuffle_after_epoch: one global permutation per epoch with the same seed on every rank,
-                # so shards never overlap; pad_last_batch keeps every rank's epoch the same length.
-                encoded, labels = fn.readers.file(
-                    files=file_list[0],
-                    labels=file_list[1],
-                    shard_id=shard_id,
-                    num_shards=num_shards,
-                    shuffle_after_epoch=train,
-                    pad_last_batch=True,
-                    name=_READER,
-                )
-                images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB)
+                encoded, labels = self._reader(file_list, train, shard_id, num_shards)
+                images = self._augment(None, encoded, train)
             else:
                 images, labels = fn.external_source(
                     source=source,
@@ -344,50 +461,30 @@ class DALIImageDataModule(LightningDataModule):
                     dtype=[types.UINT8, types.INT64],
                     layout=["HWC", ""],
                 )
-                images = images.gpu() if self.use_gpu else images
-            if train:
-                images = fn.random_resized_crop(
-                    images, size=(hp.image_size, hp.image_size), random_area=list(hp.scale), device=aug_device
-                )
-                if hp.color_jitter > 0:
-                    j = hp.color_jitter
-                    images = fn.color_twist(
-                        images,
-                        brightness=fn.random.uniform(range=(1 - j, 1 + j)),
-                        contrast=fn.random.uniform(range=(1 - j, 1 + j)),
-                        saturation=fn.random.uniform(range=(1 - j, 1 + j)),
-                        device=aug_device,
-                    )
-                mirror = fn.random.coin_flip(probability=hp.flip_prob)
-                crop = None
-            else:
-                images = fn.resize(
-                    images, resize_shorter=round(hp.image_size / hp.center_crop_ratio), device=aug_device
-                )
-                mirror, crop = 0, (hp.image_size, hp.image_size)
-            images = fn.crop_mirror_normalize(
-                images,
-                dtype=types.FLOAT,
-                output_layout="CHW",
-                crop=crop,
-                mean=list(hp.mean),
-                std=list(hp.std),
-                mirror=mirror,
-                device=aug_device,
-            )
+                images = self._augment(images.gpu() if self.use_gpu else images, None, train)
             return images, labels.gpu() if self.use_gpu else labels
 
-        policy = hp.last_batch if train else "partial"
+        last_size = None
+        if source is None:
+            total = len(file_list[0])
+            shard_size = math.ceil(total / num_shards)
+            length = batches_per_epoch(shard_size, hp.batch_size, policy)
+            if policy == "partial" and shard_size % hp.batch_size:
+                last_size = shard_size - (length - 1) * hp.batch_size
+            reader_policy = "fill" if policy == "partial" else policy
+        else:
+            length = source.num_batches()
 
         def build(checkpoint: str | None) -> DALIGenericIterator:
             pipe = pipeline(
                 batch_size=hp.batch_size,
-                num_threads=hp.num_threads,
+                num_threads=self._num_threads(),
                 device_id=self._device_id(),
                 seed=hp.seed + 1000 * shard_id + (0 if train else 1),  # augmentation differs per rank
-                prefetch_queue_depth=2,
+                prefetch_queue_depth=hp.prefetch_queue_depth,
                 enable_checkpointing=train,
                 checkpoint=checkpoint,
+                exec_dynamic=hp.exec_dynamic,
             )
             try:
                 pipe.build()
@@ -396,18 +493,14 @@ class DALIImageDataModule(LightningDataModule):
                     pipe,
                     ["images", "labels"],
                     reader_name=_READER if source is None else None,
-                    last_batch_policy=_POLICIES[policy] if source is None else LastBatchPolicy.PARTIAL,
+                    last_batch_policy=_POLICIES[reader_policy] if source is None else LastBatchPolicy.PARTIAL,
                     auto_reset=True,
                 )
             except RuntimeError as err:
                 raise explain_dali_error(err, source_name) from err
 
         return DALILoader(
-            build,
-            as_dict=hp.as_dict,
-            source=source_name,
-            shard_id=shard_id,
-            length=None if source is None else source.num_batches(),
+            build, as_dict=hp.as_dict, source=source_name, shard_id=shard_id, length=length, last_size=last_size
         )
 
     def train_dataloader(self) -> DALILoader:
