@@ -1,4 +1,4 @@
-"""Every Lightning private name lightning-accel relies on, and nowhere else.
+"""Every Lightning private name lightning-accel relies on, and nowhere else (and one of torch's).
 
 Lightning has no public API for these. Each is imported or read here only, and
 ``tests/test_compat.py`` checks each one against the installed Lightning, so an upgrade that
@@ -16,6 +16,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
 from torch.distributed.constants import default_pg_timeout
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 # The type of ``Trainer(precision=...)``: our CLI's Trainer accepts the same values (plus "auto-mixed").
 PrecisionInput = _PRECISION_INPUT
@@ -65,3 +66,10 @@ TRAIN_FETCH_ACTION = "[_TrainingEpochLoop].train_dataloader_next"
 TRAINING_BATCH_ACTION = "run_training_batch"
 SAVE_CHECKPOINT_ACTION = "save_checkpoint"
 STRATEGY_ACTION_PREFIX = "[Strategy]"  # + "<StrategyClass>.batch_to_device" / ".training_step"
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode (e.g. a ``FlopCounterMode`` counting a batch) is active: a compiled function
+    first called under one is skipped by dynamo for good and runs eagerly from then on (torch has no public
+    way to ask)."""
+    return _get_current_dispatch_mode() is not None

@@ -12,6 +12,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
+from lightning_accel._compat import dispatch_mode_active
+
 log = logging.getLogger(__name__)
 
 
@@ -36,6 +38,10 @@ class _CompiledForward:
         mode = (torch.is_grad_enabled(), self.module.training)
         if mode in self.seen_modes:
             return self.compiled(*args, **kwargs)
+        if dispatch_mode_active():
+            # A FLOP count (GoodputMonitor's first batch, Lightning's measure_flops) runs under a dispatch mode;
+            # compiling under it would make dynamo skip this forward for good. Count it eagerly, compile next call.
+            return self.eager(*args, **kwargs)
         self.seen_modes.add(mode)
         profiler = self.owner.profiler
         if profiler is not None:

@@ -145,3 +145,14 @@ def test_private_lightning_names_only_in_compat():
             if PRIVATE.search(line):
                 offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert not offenders, "Lightning private names outside _compat.py:\n" + "\n".join(offenders)
+
+
+def test_dispatch_mode_check_sees_a_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_accel._compat import dispatch_mode_active
+
+    assert not dispatch_mode_active()
+    with FlopCounterMode(display=False):
+        assert dispatch_mode_active()
+    assert not dispatch_mode_active()

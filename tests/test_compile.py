@@ -78,3 +78,23 @@ def test_named_submodule_is_compiled_and_restored(tmp_path):
 def test_unknown_submodule_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="has no submodule 'encoder'"):
         train(tmp_path, fresh(), [TorchCompile(modules=["encoder"])], steps=1)
+
+
+def test_compiles_beside_a_flop_count_of_the_first_batch(tmp_path):
+    """GoodputMonitor counts FLOPs of the first batch under a FlopCounterMode; a compiled forward first called
+    under it used to be skipped by dynamo for good (the whole run eager, silently). Now that batch runs
+    eagerly and the next one compiles: dynamo captures a graph and the compile time is recorded."""
+    import torch._dynamo
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_accel.monitor import GoodputMonitor
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_cb = TorchCompile(backend="eager", fallback=False)
+    monitor = GoodputMonitor(summary=False, plot=False, warmup_steps=0)
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, callbacks=[monitor, compile_cb]))
+    trainer.fit(BoringModel())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert "BoringModel" in compile_cb.compile_time_s and not compile_cb.failed
+    assert monitor.flops_per_batch and monitor.flops_per_batch > 0  # the eager first batch was still counted
