@@ -58,7 +58,7 @@ step gpu_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py t
   "tests/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/test_data_dali.py::test_gpu_mixed_decode" \
   "tests/test_checkpoint_cost.py::test_cuda_tensors_stage_into_pinned_buffers_without_blocking_the_host"
 # 3. single-GPU strategies: plain vs accel_zero2 vs accel_fsdp
-step strategies 100 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
+step strategies 70 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
 # 4. checkpoint cost end to end from GPU memory (pinned staging): ours sync/async vs Lightning's AsyncCheckpointIO
 #    and torch DCP async_save, 50M parameters with momentum (a 400 MB checkpoint), 30 steps, a save every 10
 step checkpoint 60 $PY -m benchmarks.checkpoint_async --gpu --params-m 50 --steps 30 --every 10 --rounds 1 --out "$RES"
@@ -77,5 +77,9 @@ step doctor 50 bash -c "$PY -m pytest -q -p no:cacheprovider \
   && COLUMNS=200 $PY -m lightning_accel.cli profile --config recipes/tiny_gpt_gpu.yaml --out /tmp/profile_gpu \
      --wait 10 --active 3 --trainer.enable_progress_bar false \
   && mkdir -p $RES/profile && cp /tmp/profile_gpu/doctor.* /tmp/profile_gpu/profile/profile_summary.json $RES/profile/"
+# 8. tune on the GPU recipe: precisions incl. 16-mixed (and fp8 where Transformer Engine is there), compile
+#    modes, pinned memory, the batch up to the memory limit (a short budget: a smoke run of the search)
+step tune 30 $PY -m lightning_accel.cli tune --config recipes/tiny_gpt_gpu.yaml --budget 25s --measure-s 1 \
+  --out "$RES/tune/tuned.yaml"
 pack
 echo "== gpu_check summary =="; cat "$RES/status.txt"

@@ -4,6 +4,7 @@ Importing the package registers the strategy presets (``accel_ddp``, ``accel_zer
 Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/architecture.md).
 """
 
+from lightning_accel import tune  # a callable package: lightning_accel.tune(...) runs the search
 from lightning_accel.checkpoint import AtomicCheckpointIO, Preempted, PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.compile import CompileCallback, TorchCompile
 from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
@@ -37,4 +38,5 @@ __all__ = [
     "diagnose",
     "find_resume_checkpoint",
     "register_presets",
+    "tune",
 ]

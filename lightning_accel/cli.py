@@ -6,6 +6,7 @@ Usage::
     lightning-accel fit --config recipes/tiny_gpt_cpu.yaml --trainer.max_steps 50 --ckpt_path auto
     lightning-accel profile --config recipes/tiny_gpt_cpu.yaml [--out runs/profile] [--active 5]
     lightning-accel doctor runs/profile
+    lightning-accel tune --config recipes/tiny_gpt_cpu.yaml [--budget 5m] [--out tuned.yaml]
     lightning-accel torchrun --nproc-per-node 2 --max-restarts 3 fit --config recipes/tiny_gpt_ddp_cpu.yaml
     lightning-accel fit --config recipes/tiny_gpt_ddp_cpu.yaml --ray.num_workers 2 --ray.max_failures 2
 """
@@ -142,6 +143,50 @@ def profile(args: list[str]) -> int:
     return doctor([str(out)])
 
 
+def tune_command(args: list[str]) -> int:
+    """``lightning-accel tune --config RECIPE``: measure precision, compile, loader and batch; write a tuned recipe.
+
+    Arguments after the options are passed to the recipe (e.g. ``--trainer.max_steps 500``).
+    """
+    from lightning_accel.tune import TrialSettings, tune
+
+    parser = argparse.ArgumentParser(prog="lightning-accel tune", description=tune_command.__doc__)
+    parser.add_argument("--config", required=True, help="recipe YAML (as for `lightning-accel fit`)")
+    parser.add_argument("--budget", default="5m", help="wall-clock limit: seconds, or e.g. 90s, 5m, 1h (default 5m)")
+    parser.add_argument("--out", type=Path, default=None, help="tuned recipe (default runs/tune/<recipe>/tuned.yaml)")
+    parser.add_argument("--keep-global-batch", action="store_true", help="larger batches with fewer accumulations")
+    parser.add_argument("--max-batch", type=int, default=None, help="largest batch size to try (default 16x)")
+    parser.add_argument("--loss-tolerance", type=float, default=0.05, help="largest relative loss drift vs fp32")
+    parser.add_argument("--min-gain", type=float, default=0.02, help="smallest speedup that changes a setting")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured batches per trial")
+    parser.add_argument("--measure-s", type=float, default=3.0, help="measured seconds per trial")
+    ns, overrides = parser.parse_known_args(args)
+    from lightning_accel.tune.search import parse_budget
+
+    try:
+        parse_budget(ns.budget)
+    except ValueError as err:
+        parser.error(str(err))
+    if not Path(ns.config).is_file():
+        parser.error(f"recipe {ns.config!r} does not exist")
+    try:
+        tune(
+            ns.config,
+            overrides=overrides,
+            budget=ns.budget,
+            out=ns.out,
+            keep_global_batch=ns.keep_global_batch,
+            max_batch=ns.max_batch,
+            loss_tolerance=ns.loss_tolerance,
+            min_gain=ns.min_gain,
+            settings=TrialSettings(warmup=ns.warmup, measure_s=ns.measure_s),
+        )
+    except RuntimeError as err:  # the untuned recipe does not train
+        log.error("%s", err)
+        return 1
+    return 0
+
+
 def fit_with_ray(options: argparse.Namespace, args: list[str]) -> int:
     """``lightning-accel fit ... --ray.num_workers N``: the recipe on Ray Train workers; 0, or 1 with Ray's error."""
     try:
@@ -161,8 +206,9 @@ def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     close_gloo_process_group_at_exit()  # our program: safe for stock strategies on gloo too
     argv = sys.argv[1:] if args is None else args
-    if argv and argv[0] in ("doctor", "profile"):
-        raise SystemExit((doctor if argv[0] == "doctor" else profile)(argv[1:]))
+    commands = {"doctor": doctor, "profile": profile, "tune": tune_command}
+    if argv and argv[0] in commands:
+        raise SystemExit(commands[argv[0]](argv[1:]))
     if argv and argv[0] == "torchrun":
         raise SystemExit(torchrun(argv[1:]))
     ray_options, rest = split_ray_args(argv[1:]) if argv and argv[0] == "fit" else (None, argv)

@@ -22,9 +22,10 @@ def python_blocks(path: Path) -> str:
 
 def test_every_capability_has_a_guide_with_an_example():
     names = {p.stem for p in GUIDES}
-    assert {"cli", "precision_compile", "distributed", "data", "monitoring", "checkpointing"} <= names
+    assert {"cli", "precision_compile", "distributed", "data", "monitoring", "checkpointing", "tune"} <= names
     for guide in GUIDES:
-        assert "trainer.fit" in python_blocks(guide) or "build_cli" in python_blocks(guide), guide.name
+        code = python_blocks(guide)
+        assert "trainer.fit" in code or "build_cli" in code or "tune(" in code, guide.name
 
 
 def test_readme_links_resolve():

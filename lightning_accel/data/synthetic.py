@@ -12,27 +12,37 @@ from lightning_accel.data.resumable import ResumableDataLoader
 class _TensorDataModule(LightningDataModule):
     """Shared loader plumbing: subclasses fill ``self.train_set`` / ``self.val_set`` in ``setup``."""
 
-    def __init__(self, batch_size: int, num_workers: int, seed: int) -> None:
+    def __init__(
+        self, batch_size: int, num_workers: int, seed: int, pin_memory: bool = False, persistent_workers: bool = False
+    ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
+        # read by the loaders at each call, so `tune` (and Lightning's BatchSizeFinder) can change them
+        self.pin_memory, self.persistent_workers = pin_memory, persistent_workers
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
+
+    def _loader_kwargs(self) -> dict:
+        return {
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "persistent_workers": self.persistent_workers and self.num_workers > 0,
+        }
 
     def train_dataloader(self) -> ResumableDataLoader:
         if self.train_set is None:
             raise RuntimeError(f"{type(self).__name__}.train_dataloader() before setup(): call dm.setup('fit') first")
-        return ResumableDataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, seed=self.seed, num_workers=self.num_workers
-        )
+        return ResumableDataLoader(self.train_set, shuffle=True, seed=self.seed, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
             raise RuntimeError(f"{type(self).__name__}.val_dataloader() before setup(): call dm.setup('fit') first")
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+        return DataLoader(self.val_set, **self._loader_kwargs())
 
 
 class SyntheticClassificationDataModule(_TensorDataModule):
@@ -46,6 +56,7 @@ class SyntheticClassificationDataModule(_TensorDataModule):
         batch_size: Samples per batch.
         num_workers: DataLoader workers.
         seed: Seed for the data and the shuffle order.
+        pin_memory / persistent_workers: DataLoader settings (persistent only with workers).
     """
 
     def __init__(
@@ -57,8 +68,10 @@ class SyntheticClassificationDataModule(_TensorDataModule):
         batch_size: int = 64,
         num_workers: int = 0,
         seed: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed)
+        super().__init__(batch_size, num_workers, seed, pin_memory, persistent_workers)
         self.num_samples, self.val_samples = num_samples, val_samples
         self.input_dim, self.num_classes = input_dim, num_classes
 
@@ -86,6 +99,7 @@ class SyntheticTokenDataModule(_TensorDataModule):
         batch_size: Sequences per batch.
         num_workers: DataLoader workers.
         seed: Seed for the data and the shuffle order.
+        pin_memory / persistent_workers: DataLoader settings (persistent only with workers).
     """
 
     def __init__(
@@ -97,8 +111,10 @@ class SyntheticTokenDataModule(_TensorDataModule):
         batch_size: int = 16,
         num_workers: int = 0,
         seed: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed)
+        super().__init__(batch_size, num_workers, seed, pin_memory, persistent_workers)
         self.num_samples, self.val_samples = num_samples, val_samples
         self.seq_len, self.vocab_size = seq_len, vocab_size
 
