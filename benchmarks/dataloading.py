@@ -37,7 +37,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.harness import RESULTS, environment
+from benchmarks.harness import RESULTS, save_figure, write_json
 from lightning_accel.data import DALIImageDataModule
 from lightning_accel.data.dali import IMAGENET_MEAN, IMAGENET_STD, scan_image_folder
 
@@ -242,17 +242,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"{c['cpu_cores']} cores: DALI cpu / torch = {ratio:.2f}x (median of {c['rounds']} rounds)",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write(name: str, result: dict[str, Any], out: Path = RESULTS) -> Path:
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "environment": environment(), **result}, indent=2))
+    path = write_json(name, result, out)
     plot(result, out / f"{name}.png")
     return path
 

@@ -31,6 +31,23 @@ def quiet_trainer(**kwargs: Any) -> Trainer:
     return Trainer(**quiet_trainer_kwargs(**kwargs))
 
 
+def write_json(name: str, result: dict[str, Any], out: Path = RESULTS) -> Path:
+    """Save ``result`` with the environment as ``out/name.json``; returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "environment": environment(), **result}, indent=2))
+    return path
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write(name: str, result: dict[str, Any], values: dict[str, float], ylabel: str, out: Path = RESULTS) -> Path:
     """Save ``result`` as ``name.json`` and a bar chart of ``values`` as ``name.png``; returns the JSON path."""
     import matplotlib
@@ -38,16 +55,12 @@ def write(name: str, result: dict[str, Any], values: dict[str, float], ylabel: s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "environment": environment(), **result}, indent=2))
+    path = write_json(name, result, out)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     bars = ax.bar(list(values), list(values.values()), color="#4C72B0")
     ax.bar_label(bars, fmt="%.3g")
     ax.set_ylabel(ylabel)
     ax.set_title(name)
     plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, out / f"{name}.png")
     return path

@@ -14,14 +14,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import RESULTS, environment
+from benchmarks.harness import RESULTS, save_figure, write_json
 from lightning_accel.tune import Candidate, TrialSettings, tune
 from lightning_accel.tune.trial import run_trial
 
@@ -128,9 +127,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"{t['seconds']:.0f}s; chosen {t['chosen']})",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -144,8 +141,7 @@ def main() -> None:
     args = p.parse_args()
     result = run(args.config, args.budget, args.rounds, args.measure_s, args.bsf_trials, args.out)
     name = "tune_recipe"
-    payload = {"benchmark": name, "environment": environment(), **result}
-    (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    write_json(name, result, args.out)
     plot(result, args.out / f"{name}.png")
     for variant, sps in result["median_samples_per_sec"].items():
         print(f"{variant:>32}: {sps:9.1f} samples/s")
