@@ -7,7 +7,7 @@ from one trial into the next; each trial also gets an empty inductor cache folde
 seconds, records the losses of the first batches for the numerics guard, and writes one JSON result.
 The parent (:func:`run_trial`) bounds it by a timeout.
 
-    python -m lightning_accel.tune.trial SPEC.json RESULT.json
+    python -m lightning_accel.tune SPEC.json RESULT.json      (see __main__.py)
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ class _ForkServer:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_accel.tune.trial", "--serve"],
+            [sys.executable, "-m", "lightning_accel.tune", "--serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -304,7 +304,7 @@ class _ForkServer:
 
 
 def serve() -> None:
-    """The fork server's loop (``python -m lightning_accel.tune.trial --serve``)."""
+    """The fork server's loop (``python -m lightning_accel.tune --serve``)."""
     import lightning.pytorch  # noqa: F401  (what every trial would import first)
 
     import lightning_accel.cli  # noqa: F401
@@ -384,7 +384,7 @@ def run_trial(spec: dict[str, Any], timeout_s: float, workdir: Path) -> TrialRes
     }
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "lightning_accel.tune.trial", str(spec_path), str(out_path)],
+            [sys.executable, "-m", "lightning_accel.tune", str(spec_path), str(out_path)],
             capture_output=True,
             text=True,
             timeout=max(timeout_s, 1.0),
@@ -399,10 +399,3 @@ def run_trial(spec: dict[str, Any], timeout_s: float, workdir: Path) -> TrialRes
 
 def temporary_workdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="lightning_accel_tune_"))
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--serve"]:
-        serve()
-    else:
-        child(sys.argv[1], sys.argv[2])
