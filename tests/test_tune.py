@@ -126,6 +126,34 @@ def test_compile_time_is_amortized_over_the_planned_samples():
     assert search.amortize(1000.0, 0.0) == pytest.approx(1000.0)
 
 
+def test_one_lucky_run_does_not_displace_a_confirmed_choice(monkeypatch, tmp_path):
+    """A challenger measured once is run again until it rests on as many runs as the confirmed pick."""
+    runs = iter([])
+    monkeypatch.setattr(
+        "lightning_accel.tune.search.run_trial",
+        lambda spec, timeout_s, workdir: TrialResult(samples_per_sec=next(runs)),
+    )
+
+    def searched(challenger_reruns):
+        nonlocal runs
+        runs = iter(challenger_reruns)
+        search = Search({}, DataKnobs({}), "cpu", False, 60, planned=lambda r: None, workdir=tmp_path)
+        pick = result("batch", Candidate(batch_size=64), 100)
+        pick.repeats = [100.0, 100.0, 100.0, 100.0]  # confirmed: a mean of four runs
+        lucky = result("batch", Candidate(batch_size=128), 110)
+        lucky.repeats = [110.0]
+        search.trials = [pick, lucky]
+        return search, pick, lucky, search.settle(pick)
+
+    search, pick, lucky, chosen = searched([90.0, 90.0, 90.0])
+    assert chosen is pick and lucky.repeats == [110.0, 90.0]  # no longer faster after one more run: stop
+    assert lucky.amortized_sps == pytest.approx(100.0) and pick.verdict == ""
+    search, pick, lucky, chosen = searched([108.0, 112.0, 110.0])
+    assert chosen is lucky and lucky.amortized_sps == pytest.approx(110.0)
+    assert pick.verdict == "not chosen: 100.0 samples/s over 4 runs, 0.91x the chosen"
+    assert "(4 vs 4): chosen instead" in search.notes[-1]
+
+
 def test_tuned_recipe_applies_the_choice_and_keeps_the_samples(tmp_path):
     recipe = yaml.safe_load((ROOT / "recipes/tiny_gpt_cpu.yaml").read_text())
     base = result("baseline", Candidate(precision="32-true"), 1000, batch=16)
