@@ -60,8 +60,17 @@ def batch_size_finder(config: str, max_trials: int) -> int:
         return int(finder.optimal_batch_size)
 
 
-def measure(config: str, candidate: Candidate, settings: TrialSettings, workdir: Path, as_is: bool) -> float:
-    spec = {"config": config, "candidate": candidate.as_dict(), "settings": vars(settings), "as_is": as_is}
+def measure(
+    config: str, candidate: Candidate, settings: TrialSettings, workdir: Path, as_is: bool, fork: bool = True
+) -> float:
+    """Samples/s of one trial of ``config`` with ``candidate`` (``fork=False`` for multi-device recipes)."""
+    spec = {
+        "config": config,
+        "candidate": candidate.as_dict(),
+        "settings": vars(settings),
+        "as_is": as_is,
+        "fork": fork,
+    }
     result = run_trial(spec, timeout_s=600, workdir=workdir)
     if result.error:
         raise RuntimeError(f"{config} {candidate.label()}: {result.error}")
