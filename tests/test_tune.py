@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.tune import Candidate, TrialSettings, tune
-from lightning_accel.tune.report import tuned_config
+from lightning_accel.tune.report import trial_table, tuned_config
 from lightning_accel.tune.search import Search, Trial, TuneResult, data_knobs, parse_budget
 from lightning_accel.tune.space import DataKnobs, batch_candidates, loader_candidates, precision_compile_candidates
 from lightning_accel.tune.trial import TrialResult
@@ -169,6 +169,13 @@ def test_tuned_recipe_applies_the_choice_and_keeps_the_samples(tmp_path):
     assert recipe["data"]["init_args"]["batch_size"] == 16  # the input is not modified
     assert lines[0] == "measured: 1.30x the untuned recipe, 1300.0 vs 1000.0 samples/s"
     assert any("global batch changed 16 -> 64" in line for line in lines)
+    # a 2-rank recipe: trials report per-device batches; the global batch spans both ranks
+    base2 = result("baseline", Candidate(precision="32-true"), 500, batch=16, world_size=2)
+    best2 = result("batch", Candidate(precision="32-true", batch_size=128), 700, batch=128, world_size=2)
+    ddp = TuneResult([base2, best2], base2, best2, budget_s=120, elapsed_s=100, planned_samples=640)
+    _, lines = tuned_config(yaml.safe_load((ROOT / "recipes/tiny_gpt_ddp_cpu.yaml").read_text()), ddp, [])
+    assert any("global batch changed 32 -> 256" in line for line in lines), lines
+    assert "per device, 2 devices" in trial_table(ddp).title
     compiled = result("p", Candidate(precision="bf16-mixed", compile="blocks"), 1500)
     config, _ = tuned_config(recipe, TuneResult([base, compiled], base, compiled, 300, 200, 1920), ["blocks.0"])
     assert config["trainer"]["precision"] == "bf16-mixed"

@@ -20,8 +20,15 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _world_size(result: TuneResult) -> int:
+    return result.baseline.result.world_size if result.baseline.result else 1
+
+
 def trial_table(result: TuneResult) -> Table:
-    table = Table(title=f"lightning-accel tune: {len(result.trials)} trials in {result.elapsed_s:.0f}s")
+    title = f"lightning-accel tune: {len(result.trials)} trials in {result.elapsed_s:.0f}s"
+    if _world_size(result) > 1:
+        title += f" (samples/s and batch per device, {_world_size(result)} devices)"
+    table = Table(title=title)
     for column in ("#", "stage", "settings", "samples/s", "amortized", "MFU", "peak MB", "compile s", "verdict"):
         table.add_column(column, overflow="fold")
     for i, t in enumerate(result.trials):
@@ -133,8 +140,10 @@ def tuned_config(
             data_args[knob] = value
     old_batch = int(result.baseline.result.batch_size or 0) if result.baseline.result else 0
     new_batch = int(result.best.result.batch_size or 0) if result.best.result else 0
-    old_global = old_batch * (base.accumulate_grad_batches or int(trainer.get("accumulate_grad_batches", 1)))
-    new_global = new_batch * (best.accumulate_grad_batches or int(trainer.get("accumulate_grad_batches", 1)))
+    recipe_accumulate = int(trainer.get("accumulate_grad_batches", 1))
+    devices = _world_size(result)  # the trials trained on the recipe's devices: the global batch spans them
+    old_global = devices * old_batch * (base.accumulate_grad_batches or recipe_accumulate)
+    new_global = devices * new_batch * (best.accumulate_grad_batches or recipe_accumulate)
     if best.accumulate_grad_batches is not None and best.accumulate_grad_batches != base.accumulate_grad_batches:
         trainer["accumulate_grad_batches"] = best.accumulate_grad_batches
         lines.append(f"trainer.accumulate_grad_batches -> {best.accumulate_grad_batches} (global batch kept)")

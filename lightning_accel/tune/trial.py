@@ -60,6 +60,7 @@ class TrialResult:
     peak_flops: float | None = None
     batches_per_epoch: int | None = None
     batch_size: int | None = None
+    world_size: int = 1  # devices the trial trained on: samples/s and batch_size are per device
     wall_s: float = 0.0
     error: str | None = None
     oom: bool = False
@@ -226,6 +227,7 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
     result.losses = probe.losses
     result.flops_per_batch = probe.flops
     result.batch_size = probe.batch_size
+    result.world_size = trainer.world_size
     per_epoch = trainer.num_training_batches
     result.batches_per_epoch = int(per_epoch) if math.isfinite(per_epoch) else None
     device = model.device
