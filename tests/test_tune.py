@@ -154,6 +154,25 @@ def test_one_lucky_run_does_not_displace_a_confirmed_choice(monkeypatch, tmp_pat
     assert "(4 vs 4): chosen instead" in search.notes[-1]
 
 
+def test_a_trial_that_would_not_finish_in_the_budget_is_not_started(monkeypatch, tmp_path):
+    """4.2 s left, eager trials took 3.4, 3.5 and 4.0 s (the batch grew): the next batch's trial is skipped, not
+    started and then stopped at the budget; a rerun is estimated from its own run."""
+
+    def must_not_run(spec, timeout_s, workdir):
+        raise AssertionError(f"a trial was started with {timeout_s:.1f}s left")
+
+    monkeypatch.setattr("lightning_accel.tune.search.run_trial", must_not_run)
+    search = Search({}, DataKnobs({}), "cpu", False, 100, planned=lambda r: None, workdir=tmp_path)
+    walls = {16: 3.4, 32: 3.5, 64: 4.0}
+    search.trials = [result("batch", Candidate(batch_size=b), 100, batch=b, wall_s=w) for b, w in walls.items()]
+    assert search.estimate(Candidate(batch_size=128)) == pytest.approx(4.4)  # the latest, 10% to spare
+    assert search.estimate(Candidate(batch_size=16)) == pytest.approx(3.74)  # its own run
+    assert search.estimate(Candidate(compile="module")) == pytest.approx(3.5 * 5 * 1.1)  # none compiled yet
+    search.start = time.perf_counter() - (100 - 3.0 - 4.2)  # 4.2 s left after the report's reserve
+    trial = search.measure("batch", Candidate(batch_size=128))
+    assert trial.result is None and trial.verdict.startswith("skipped: 4s of budget to spend"), trial.verdict
+
+
 def test_tuned_recipe_applies_the_choice_and_keeps_the_samples(tmp_path):
     recipe = yaml.safe_load((ROOT / "recipes/tiny_gpt_cpu.yaml").read_text())
     base = result("baseline", Candidate(precision="32-true"), 1000, batch=16)

@@ -33,6 +33,9 @@ from lightning_accel.tune.trial import DATA_KNOBS, TrialResult, TrialSettings, r
 log = logging.getLogger(__name__)
 
 RESERVE_S = 3.0  # kept back from the budget for the report
+# Trial wall times vary run to run: a trial estimated to just fit was started and then stopped at the budget
+# (a 4.0 s trial with 4 s left, seen on the tiny GPT recipe), which wastes what it ran.
+WALL_MARGIN = 1.1
 
 
 def parse_budget(budget: str | float | int) -> float:
@@ -156,16 +159,21 @@ class Search:
         return self.budget_s - (time.perf_counter() - self.start) - RESERVE_S
 
     def estimate(self, candidate: Candidate) -> float:
-        """Seconds a trial will take: for compiled ones the slowest compiled trial so far, for eager ones the
-        median eager trial; with none like it yet, the median trial (five times that for compiling)."""
+        """Seconds a trial will take, with ``WALL_MARGIN`` on top: a candidate run before, its own last run; a
+        compiled one, the slowest compiled trial so far; an eager one, the median eager trial or the latest,
+        whichever is longer (a larger batch's warm-up takes longer); with none like it yet, the median trial
+        (five times that for compiling)."""
+        own = [t.result.wall_s for t in self.trials if t.ok and t.candidate == candidate]
+        if own:
+            return own[-1] * WALL_MARGIN
         walls = [t.result.wall_s for t in self.trials if t.ok]
         compiled = candidate.compile != "off"
         like = [t.result.wall_s for t in self.trials if t.ok and (t.candidate.compile != "off") == compiled]
-        if like:  # compile times differ by scope: the slowest; eager trials: the typical one
-            return max(like) if compiled else statistics.median(like)
+        if like:  # compile times differ by scope: the slowest; eager trials: the typical one or the latest
+            return (max(like) if compiled else max(statistics.median(like), like[-1])) * WALL_MARGIN
         if not walls:
             return 0.0
-        return statistics.median(walls) * (5.0 if compiled else 1.0)  # compiling: a guess until one is measured
+        return statistics.median(walls) * (5.0 if compiled else 1.0) * WALL_MARGIN  # compiling: a guess
 
     # -- one trial ----------------------------------------------------------------------------------
     def measure(self, stage: str, candidate: Candidate, keep_s: float = 0.0) -> Trial:
