@@ -195,6 +195,14 @@ def test_tuned_recipe_applies_the_choice_and_keeps_the_samples(tmp_path):
     _, lines = tuned_config(yaml.safe_load((ROOT / "recipes/tiny_gpt_ddp_cpu.yaml").read_text()), ddp, [])
     assert any("global batch changed 32 -> 256" in line for line in lines), lines
     assert "per device, 2 devices" in trial_table(ddp).title
+    # --keep-global-batch: batch 16 x 4 accumulated -> 64 x 1; steps and callback intervals keep their meaning
+    accumulating = {**recipe, "trainer": {**recipe["trainer"], "accumulate_grad_batches": 4}}
+    kept = result("batch", Candidate(precision="32-true", batch_size=64, accumulate_grad_batches=1), 1300, batch=64)
+    config, lines = tuned_config(accumulating, TuneResult([base, kept], base, kept, 300, 200, 7680), [])
+    assert config["trainer"]["accumulate_grad_batches"] == 1 and config["trainer"]["max_steps"] == 120
+    assert config["data"]["init_args"]["batch_size"] == 64
+    assert "trainer.accumulate_grad_batches -> 1 (global batch kept)" in lines
+    assert not any("global batch changed" in line for line in lines), lines
     compiled = result("p", Candidate(precision="bf16-mixed", compile="blocks"), 1500)
     config, _ = tuned_config(recipe, TuneResult([base, compiled], base, compiled, 300, 200, 1920), ["blocks.0"])
     assert config["trainer"]["precision"] == "bf16-mixed"
