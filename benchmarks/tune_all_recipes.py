@@ -17,15 +17,13 @@ The exit code is 1 when a check fails, so the run can gate a release.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, save_figure, write_json
-from benchmarks.tune_recipe import measure
+from benchmarks.tune_recipe import side_by_side
 from lightning_accel.tune import Candidate, TrialSettings, tune
 
 CPU_RECIPES = ("recipes/mlp_cpu.yaml", "recipes/tiny_gpt_cpu.yaml", "recipes/tiny_gpt_ddp_cpu.yaml")
@@ -49,17 +47,8 @@ def run_one(recipe: str, budget: str, rounds: int, measure_s: float, out: Path) 
     fastest = max(accepted)
     settings = TrialSettings(measure_s=measure_s)
     fork = devices(recipe) == 1  # multi-device trials re-run their command line: a new interpreter each
-    variants = {"untuned": (recipe, False), "tuned": (str(tuned_path), True)}
-    per_round: list[dict[str, float]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
-            names = list(variants) if r % 2 == 0 else list(reversed(variants))
-            row = {}
-            for name in names:
-                config, as_is = variants[name]
-                row[name] = measure(config, Candidate(), settings, Path(tmp) / f"r{r}_{name}", as_is, fork)
-            per_round.append(row)
-    median = {name: statistics.median(row[name] for row in per_round) for name in variants}
+    variants = {"untuned": (recipe, Candidate(), False), "tuned": (str(tuned_path), Candidate(), True)}
+    per_round, median = side_by_side(variants, settings, rounds, fork)
     ratio = median["tuned"] / median["untuned"]
     checks = {
         "inside_budget": result.elapsed_s <= result.budget_s,

@@ -77,6 +77,23 @@ def measure(
     return float(result.samples_per_sec or 0.0)
 
 
+def side_by_side(
+    variants: dict[str, tuple[str, Candidate, bool]], settings: TrialSettings, rounds: int, fork: bool = True
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Samples/s of each variant (config, candidate, as_is) per round, in alternating order, and their medians."""
+    per_round: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            names = list(variants) if r % 2 == 0 else list(reversed(variants))
+            row = {}
+            for i, name in enumerate(names):
+                config, candidate, as_is = variants[name]
+                row[name] = measure(config, candidate, settings, Path(tmp) / f"r{r}_{i}", as_is, fork)
+            per_round.append(row)
+    median = {name: statistics.median(row[name] for row in per_round) for name in variants}
+    return per_round, median
+
+
 def run(config: str, budget: str, rounds: int, measure_s: float, bsf_trials: int, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -90,16 +107,7 @@ def run(config: str, budget: str, rounds: int, measure_s: float, bsf_trials: int
         f"BatchSizeFinder (batch {bsf_batch})": (config, Candidate(batch_size=bsf_batch), False),
         "tuned": (str(tuned_path), Candidate(), True),
     }
-    per_round: list[dict[str, float]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
-            names = list(variants) if r % 2 == 0 else list(reversed(variants))
-            row = {}
-            for i, name in enumerate(names):
-                cfg, cand, as_is = variants[name]
-                row[name] = measure(cfg, cand, settings, Path(tmp) / f"r{r}_{i}", as_is)
-            per_round.append(row)
-    median = {name: statistics.median(row[name] for row in per_round) for name in variants}
+    per_round, median = side_by_side(variants, settings, rounds)
     bsf_name = next(n for n in variants if n.startswith("BatchSizeFinder"))
     return {
         "config": {"recipe": config, "budget": budget, "rounds": rounds, "measure_s": measure_s},
