@@ -69,6 +69,20 @@ class ImagesDataModule(LightningDataModule):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
 
 
+class HparamsDataModule(LightningDataModule):
+    """The other usual shape: ``save_hyperparameters()``, and train_dataloader() reads ``self.hparams``."""
+
+    def __init__(self, batch_size: int = 8, num_workers: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    setup = ImagesDataModule.setup
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        return DataLoader(self.train_set, batch_size=hp.batch_size, shuffle=True, num_workers=hp.num_workers)
+
+
 def result(stage: str, candidate: Candidate, sps: float, losses=(1.0, 1.0), batch=8, **kw) -> Trial:
     trial = Trial(stage, candidate, TrialResult(samples_per_sec=sps, losses=list(losses), batch_size=batch, **kw))
     trial.amortized_sps = sps
@@ -225,6 +239,22 @@ def test_data_knobs_come_from_attributes_and_init_parameters():
     dm = ImagesDataModule()
     assert data_knobs(dm).values == {"batch_size": 8, "num_workers": 0}
     assert data_knobs(dm, init_params=["batch_size"]).values == {"batch_size": 8}
+
+
+def test_knobs_kept_in_hparams_are_found_and_set_in_the_trial(tmp_path):
+    """A DataModule that keeps its loader settings in hparams (no attributes) is tuned like one with attributes:
+    the knobs are found, and a trial's batch size reaches its train_dataloader()."""
+    from lightning_accel.tune.search import pickle_objects
+    from lightning_accel.tune.trial import run_trial
+
+    dm = HparamsDataModule(batch_size=8)
+    assert not hasattr(dm, "batch_size") and data_knobs(dm).values == {"batch_size": 8, "num_workers": 0}
+    kwargs = {"accelerator": "cpu", "devices": 1, "max_steps": 50, "enable_progress_bar": False}
+    pickle_objects(ConvNet(), dm, kwargs, tmp_path / "objects.pkl")
+    spec = {"objects": str(tmp_path / "objects.pkl"), "settings": vars(FAST)}
+    spec["candidate"] = Candidate(batch_size=32).as_dict()
+    trial = run_trial(spec, timeout_s=120, workdir=tmp_path / "trial")
+    assert trial.error is None and trial.batch_size == 32, trial.error
 
 
 def test_objects_that_cannot_be_pickled_get_a_clear_error(tmp_path):

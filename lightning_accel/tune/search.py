@@ -28,7 +28,14 @@ from lightning_accel.tune.space import (
     loader_candidates,
     precision_compile_candidates,
 )
-from lightning_accel.tune.trial import DATA_KNOBS, TrialResult, TrialSettings, run_trial, temporary_workdir
+from lightning_accel.tune.trial import (
+    DATA_KNOBS,
+    TrialResult,
+    TrialSettings,
+    data_knob_holders,
+    run_trial,
+    temporary_workdir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +386,7 @@ class Search:
             larger = batch_candidates(best.candidate, base_batch, self.keep_global_batch, limit)
             best = self.stage("batch", larger, best, keep_trials=2)
         else:
-            self.notes.append("the DataModule has no batch_size attribute: the batch size was not tuned")
+            self.notes.append("the DataModule has no batch_size attribute or hparam: the batch size was not tuned")
         if best is not baseline:
             self.confirm(baseline, best)
         best = self.settle(best)
@@ -402,11 +409,13 @@ class Search:
 
 
 def data_knobs(datamodule: Any, init_params: Iterable[str] | None = None) -> DataKnobs:
-    """The loader knobs ``datamodule`` exposes as attributes (and, for recipes, as ``__init__`` parameters)."""
+    """The loader knobs ``datamodule`` keeps as attributes or hparams (for recipes, only ``__init__`` parameters)."""
     allowed = set(init_params) if init_params is not None else None
-    values = {
-        k: getattr(datamodule, k) for k in DATA_KNOBS if hasattr(datamodule, k) and (allowed is None or k in allowed)
-    }
+    values = {}
+    for knob in DATA_KNOBS:
+        holders = data_knob_holders(datamodule, knob)
+        if holders and (allowed is None or knob in allowed):
+            values[knob] = getattr(holders[0], knob)
     return DataKnobs(values)
 
 

@@ -30,8 +30,19 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Loader knobs tune can set: each must be an attribute of the DataModule that train_dataloader() reads.
+# Loader knobs tune can set: each an attribute of the DataModule, or an entry of its hparams
+# (save_hyperparameters()), that train_dataloader() reads.
 DATA_KNOBS = ("batch_size", "num_workers", "pin_memory", "persistent_workers")
+
+
+def data_knob_holders(datamodule: Any, knob: str) -> list[Any]:
+    """Where ``datamodule`` keeps ``knob``: the attribute and/or ``hparams`` entry, the places Lightning's
+    BatchSizeFinder looks (its own lookup needs a module attached to a Trainer, so it cannot serve here)."""
+    holders = [datamodule] if hasattr(datamodule, knob) else []
+    hparams = getattr(datamodule, "hparams", None)
+    if hparams is not None and knob in hparams:
+        holders.append(hparams)  # an AttributeDict: setattr and getattr reach its entries
+    return holders
 
 
 @dataclass
@@ -198,7 +209,8 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
     trainer, model, datamodule = _build(spec)
     for knob in DATA_KNOBS:
         if cand.get(knob) is not None:
-            setattr(datamodule, knob, cand[knob])
+            for holder in data_knob_holders(datamodule, knob):  # all of them, as BatchSizeFinder does
+                setattr(holder, knob, cand[knob])
     # Checkpoints are not part of what a trial measures; the recipe's compile callback is replaced by the
     # candidate's, unless the spec measures the recipe as it is ("as_is": a benchmark of a tuned recipe).
     drop = Checkpoint if spec.get("as_is") else (Checkpoint, TorchCompile)
