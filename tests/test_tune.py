@@ -53,6 +53,12 @@ class ConvNet(LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)]
 
 
+def images_dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(512, 3, 16, 16, generator=g), torch.randint(0, 4, (512,), generator=g)
+    return TensorDataset(images, labels)
+
+
 class ImagesDataModule(LightningDataModule):
     """The usual shape of a user's DataModule: loader settings as attributes its train_dataloader reads."""
 
@@ -61,9 +67,7 @@ class ImagesDataModule(LightningDataModule):
         self.batch_size, self.num_workers = batch_size, num_workers
 
     def setup(self, stage: str | None = None) -> None:
-        g = torch.Generator().manual_seed(0)
-        images, labels = torch.randn(512, 3, 16, 16, generator=g), torch.randint(0, 4, (512,), generator=g)
-        self.train_set = TensorDataset(images, labels)
+        self.train_set = images_dataset()
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
@@ -81,6 +85,17 @@ class HparamsDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         return DataLoader(self.train_set, batch_size=hp.batch_size, shuffle=True, num_workers=hp.num_workers)
+
+
+class ConvNetWithLoader(ConvNet):
+    """A module that brings its own data: train_dataloader(), the batch size in its hparams."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(images_dataset(), batch_size=self.hparams.batch_size, shuffle=True)
 
 
 def result(stage: str, candidate: Candidate, sps: float, losses=(1.0, 1.0), batch=8, **kw) -> Trial:
@@ -242,19 +257,24 @@ def test_data_knobs_come_from_attributes_and_init_parameters():
 
 
 def test_knobs_kept_in_hparams_are_found_and_set_in_the_trial(tmp_path):
-    """A DataModule that keeps its loader settings in hparams (no attributes) is tuned like one with attributes:
-    the knobs are found, and a trial's batch size reaches its train_dataloader()."""
+    """Loader settings kept in hparams (no attributes), of a DataModule or of a module with its own
+    train_dataloader() (tuned with datamodule=None), are tuned like attributes: found, and a trial's batch size
+    reaches the loader."""
     from lightning_accel.tune.search import pickle_objects
     from lightning_accel.tune.trial import run_trial
 
+    kwargs = {"accelerator": "cpu", "devices": 1, "max_steps": 50, "enable_progress_bar": False}
     dm = HparamsDataModule(batch_size=8)
     assert not hasattr(dm, "batch_size") and data_knobs(dm).values == {"batch_size": 8, "num_workers": 0}
-    kwargs = {"accelerator": "cpu", "devices": 1, "max_steps": 50, "enable_progress_bar": False}
-    pickle_objects(ConvNet(), dm, kwargs, tmp_path / "objects.pkl")
-    spec = {"objects": str(tmp_path / "objects.pkl"), "settings": vars(FAST)}
-    spec["candidate"] = Candidate(batch_size=32).as_dict()
-    trial = run_trial(spec, timeout_s=120, workdir=tmp_path / "trial")
-    assert trial.error is None and trial.batch_size == 32, trial.error
+    assert data_knobs(ConvNetWithLoader()).values == {"batch_size": 8}
+    for name, model, datamodule in [("dm", ConvNet(), dm), ("module", ConvNetWithLoader(), None)]:
+        pickle_objects(model, datamodule, kwargs, tmp_path / name / "objects.pkl")
+        spec = {"objects": str(tmp_path / name / "objects.pkl"), "settings": vars(FAST)}
+        spec["candidate"] = Candidate(batch_size=32).as_dict()
+        trial = run_trial(spec, timeout_s=120, workdir=tmp_path / name / "trial")
+        assert trial.error is None and trial.batch_size == 32, (name, trial.error)
+    with pytest.raises(ValueError, match=r"needs datamodule= too .* unless the model defines its own"):
+        tune(model=ConvNet(), trainer_kwargs=kwargs, budget=30)
 
 
 def test_objects_that_cannot_be_pickled_get_a_clear_error(tmp_path):

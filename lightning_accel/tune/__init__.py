@@ -82,7 +82,8 @@ def tune(
     Args:
         config: A recipe YAML (as for ``lightning-accel fit``); ``overrides`` are extra CLI arguments for it.
         model / datamodule / trainer_kwargs: Instead of a recipe: untrained objects (picklable, defined at
-            module level) and the ``Trainer`` arguments of the run to tune.
+            module level) and the ``Trainer`` arguments of the run to tune; ``datamodule=None`` for a model
+            with its own ``train_dataloader()`` (its loader knobs are then the model's).
         budget: Wall-clock limit for the whole search (``300``, ``"90s"``, ``"5m"``); no trial starts that
             the remaining budget cannot finish, and a running one is stopped at the limit.
         out: The tuned recipe (config only; default ``runs/tune/<recipe>/tuned.yaml``). ``tuned.json`` (every
@@ -116,13 +117,18 @@ def tune(
         spec: dict[str, Any] = {"config": str(config), "overrides": list(overrides)}
         out = Path(out) if out is not None else Path("runs/tune") / config.stem / "tuned.yaml"
     else:
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
         from lightning_accel.cli import AccelTrainer
 
-        if datamodule is None:
-            raise ValueError("tune(model=...) needs datamodule= too (the data the model trains on)")
+        if datamodule is None and not is_overridden("train_dataloader", model):
+            raise ValueError(
+                "tune(model=...) needs datamodule= too (the data the model trains on), unless the model defines "
+                "its own train_dataloader()"
+            )
         trainer_kwargs = dict(trainer_kwargs or {})
         trainer = AccelTrainer(**trainer_kwargs)  # read for its precision, devices and limits only
-        knobs = data_knobs(datamodule)
+        knobs = data_knobs(datamodule if datamodule is not None else model)  # where train_dataloader() lives
         pickle_objects(model, datamodule, trainer_kwargs, workdir / "objects.pkl")
         spec = {"objects": str(workdir / "objects.pkl")}
         out = Path(out) if out is not None else None

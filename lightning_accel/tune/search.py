@@ -409,7 +409,8 @@ class Search:
 
 
 def data_knobs(datamodule: Any, init_params: Iterable[str] | None = None) -> DataKnobs:
-    """The loader knobs ``datamodule`` keeps as attributes or hparams (for recipes, only ``__init__`` parameters)."""
+    """The loader knobs ``datamodule`` (or a module with its own train_dataloader()) keeps as attributes or hparams
+    (for recipes, only ``__init__`` parameters)."""
     allowed = set(init_params) if init_params is not None else None
     values = {}
     for knob in DATA_KNOBS:

@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 DATA_KNOBS = ("batch_size", "num_workers", "pin_memory", "persistent_workers")
 
 
-def data_knob_holders(datamodule: Any, knob: str) -> list[Any]:
-    """Where ``datamodule`` keeps ``knob``: the attribute and/or ``hparams`` entry, the places Lightning's
-    BatchSizeFinder looks (its own lookup needs a module attached to a Trainer, so it cannot serve here)."""
-    holders = [datamodule] if hasattr(datamodule, knob) else []
-    hparams = getattr(datamodule, "hparams", None)
+def data_knob_holders(owner: Any, knob: str) -> list[Any]:
+    """Where ``owner`` (the DataModule, or a module with its own train_dataloader()) keeps ``knob``: the attribute
+    and/or ``hparams`` entry, the places Lightning's BatchSizeFinder looks (its own lookup needs a module attached
+    to a Trainer, so it cannot serve here)."""
+    holders = [owner] if hasattr(owner, knob) else []
+    hparams = getattr(owner, "hparams", None)
     if hparams is not None and knob in hparams:
         holders.append(hparams)  # an AttributeDict: setattr and getattr reach its entries
     return holders
@@ -207,9 +208,10 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
 
     cand, settings = spec["candidate"], TrialSettings(**spec["settings"])
     trainer, model, datamodule = _build(spec)
+    loader_owner = datamodule if datamodule is not None else model  # a module may define train_dataloader()
     for knob in DATA_KNOBS:
         if cand.get(knob) is not None:
-            for holder in data_knob_holders(datamodule, knob):  # all of them, as BatchSizeFinder does
+            for holder in data_knob_holders(loader_owner, knob):  # all of them, as BatchSizeFinder does
                 setattr(holder, knob, cand[knob])
     # Checkpoints are not part of what a trial measures; the recipe's compile callback is replaced by the
     # candidate's, unless the spec measures the recipe as it is ("as_is": a benchmark of a tuned recipe).
