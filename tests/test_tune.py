@@ -376,3 +376,19 @@ def test_trial_failures_and_timeouts_come_back_as_verdicts(tmp_path):
     good = run_trial(spec(str(ROOT / "recipes/mlp_cpu.yaml"), FAST), timeout_s=120, workdir=tmp_path / "good")
     assert good.error is None and good.samples_per_sec > 0 and good.batch_size == 64
     assert (tmp_path / "good" / "trial.log").exists()
+
+
+def test_starting_the_trial_server_is_not_the_first_trials_time(monkeypatch, tmp_path):
+    """The server imports torch and Lightning once; a trial's wall time (the budget's estimate of the next trials)
+    starts when it is ready, so the first trial does not look seconds longer than the rest."""
+    from lightning_accel.tune import trial as trial_module
+
+    monkeypatch.setattr(trial_module, "_SERVER", None)  # a new server for this search
+    spec = {"config": str(ROOT / "recipes/mlp_cpu.yaml"), "candidate": Candidate().as_dict(), "settings": vars(FAST)}
+    started = time.perf_counter()
+    first = trial_module.run_trial(spec, timeout_s=120, workdir=tmp_path / "first")
+    elapsed = time.perf_counter() - started
+    assert first.error is None and elapsed - first.wall_s >= 1.0, (elapsed, first.wall_s)
+    second = trial_module.run_trial(spec, timeout_s=120, workdir=tmp_path / "second")
+    assert second.error is None and first.wall_s < 2 * second.wall_s, (first.wall_s, second.wall_s)
+    trial_module._SERVER.close()
