@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 import lightning_accel  # noqa: F401  (registers the strategy presets)
 from lightning_accel._compat import PrecisionInput
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
-from lightning_accel.launch import torchrun
+from lightning_accel.launch import exit_launcher, torchrun
 from lightning_accel.monitor import GoodputMonitor
 from lightning_accel.precision import auto_precision
 from lightning_accel.profile import TorchProfiler, diagnose, load_run, report
@@ -210,7 +210,7 @@ def main(args: list[str] | None = None) -> None:
     if argv and argv[0] in commands:
         raise SystemExit(commands[argv[0]](argv[1:]))
     if argv and argv[0] == "torchrun":
-        raise SystemExit(torchrun(argv[1:]))
+        exit_launcher(torchrun(argv[1:]))
     ray_options, rest = split_ray_args(argv[1:]) if argv and argv[0] == "fit" else (None, argv)
     if ray_options is not None:
         raise SystemExit(fit_with_ray(ray_options, rest))

@@ -17,7 +17,10 @@ grace are unchanged) and maps the ends:
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
+from typing import NoReturn
 
 from lightning_accel.checkpoint import EXIT_CODE_PREEMPTED
 
@@ -66,3 +69,18 @@ def torchrun(argv: list[str]) -> int:
         )
         return 1
     return 0
+
+
+def exit_launcher(code: int) -> NoReturn:
+    """End the launcher process with ``code``, skipping the interpreter's teardown (logs flushed first).
+
+    When the launcher itself is signalled, torchrun leaves its rendezvous store running on purpose (a C++ server
+    thread, kept so a later rendezvous can reuse it), and tearing the interpreter down around it can abort the
+    process: the launcher logged "exiting 75" and then died of SIGABRT ("terminate called without an active
+    exception"), which a scheduler reads as a crash (seen once in our suite). By now torchrun has stopped and
+    reaped every worker, so the teardown has nothing left to do.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
