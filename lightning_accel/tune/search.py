@@ -386,7 +386,10 @@ class Search:
             larger = batch_candidates(best.candidate, base_batch, self.keep_global_batch, limit)
             best = self.stage("batch", larger, best, keep_trials=2)
         else:
-            self.notes.append("the DataModule has no batch_size attribute or hparam: the batch size was not tuned")
+            self.notes.append(
+                "the loader's owner (the DataModule, or the module with its own train_dataloader()) has no batch_size "
+                "attribute or hparam: the batch size was not tuned"
+            )
         if best is not baseline:
             self.confirm(baseline, best)
         best = self.settle(best)
