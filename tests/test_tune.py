@@ -196,10 +196,32 @@ def test_a_trial_that_would_not_finish_in_the_budget_is_not_started(monkeypatch,
     search.trials = [result("batch", Candidate(batch_size=b), 100, batch=b, wall_s=w) for b, w in walls.items()]
     assert search.estimate(Candidate(batch_size=128)) == pytest.approx(4.4)  # the latest, 10% to spare
     assert search.estimate(Candidate(batch_size=16)) == pytest.approx(3.74)  # its own run
-    assert search.estimate(Candidate(compile="module")) == pytest.approx(3.5 * 5 * 1.1)  # none compiled yet
+    assert search.estimate(Candidate(compile="module")) == pytest.approx((3.5 + 15) * 1.1)  # none compiled yet
+    longer = Search({}, DataKnobs({}), "cpu", False, 100, planned=lambda r: None, workdir=tmp_path)
+    longer.trials = [result("baseline", Candidate(), 100, wall_s=5.0)]
+    assert longer.estimate(Candidate(compile="module")) == pytest.approx(5.0 * 5 * 1.1)  # five longer eager trials
     search.start = time.perf_counter() - (100 - 3.0 - 4.2)  # 4.2 s left after the report's reserve
     trial = search.measure("batch", Candidate(batch_size=128))
     assert trial.result is None and trial.verdict.startswith("skipped: 4s of budget to spend"), trial.verdict
+
+
+def test_keep_global_batch_trades_the_recipes_accumulation_for_batch(monkeypatch, tmp_path):
+    """A recipe accumulating 4 batches of 8, --keep-global-batch: the batch stage tries 16 x 2 and 32 x 1 (it
+    tried nothing: the search took the recipe's accumulation for 1, so no larger batch kept 8 x 1)."""
+    tried = []
+
+    def fake_trial(spec, timeout_s, workdir):
+        cand = spec["candidate"]
+        tried.append((cand["batch_size"], cand["accumulate_grad_batches"]))
+        batch = cand["batch_size"] or 8
+        return TrialResult(samples_per_sec=100.0 * batch, losses=[1.0], batch_size=batch, wall_s=0.01)
+
+    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    spec = {"recipe_accumulate": 4}
+    search = Search(spec, DataKnobs({"batch_size": 8}), "cpu", False, 60, lambda r: None, keep_global_batch=True)
+    res = search.run(Candidate(precision="32-true"), baseline_is_reference=True)
+    assert (16, 2) in tried and (32, 1) in tried and not any(b and b * (a or 4) != 32 for b, a in tried), tried
+    assert (res.best.candidate.batch_size, res.best.candidate.accumulate_grad_batches) == (32, 1)
 
 
 def test_tuned_recipe_applies_the_choice_and_keeps_the_samples(tmp_path):

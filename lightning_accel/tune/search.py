@@ -43,6 +43,10 @@ RESERVE_S = 3.0  # kept back from the budget for the report
 # Trial wall times vary run to run: a trial estimated to just fit was started and then stopped at the budget
 # (a 4.0 s trial with 4 s left, seen on the tiny GPT recipe), which wastes what it ran.
 WALL_MARGIN = 1.1
+# The least a first compiled trial is expected to add: cold compiles took 12-33 s on the 2-core CI machine for our
+# recipes and over 10 s for a small test ConvNet, so "five eager trials" (4 s for that ConvNet) started one the
+# budget then stopped, leaving the batch stage no time.
+FIRST_COMPILE_S = 15.0
 
 
 def parse_budget(budget: str | float | int) -> float:
@@ -169,7 +173,7 @@ class Search:
         """Seconds a trial will take, with ``WALL_MARGIN`` on top: a candidate run before, its own last run; a
         compiled one, the slowest compiled trial so far; an eager one, the median eager trial or the latest,
         whichever is longer (a larger batch's warm-up takes longer); with none like it yet, the median trial
-        (five times that for compiling)."""
+        (for compiling, five times that and at least ``FIRST_COMPILE_S`` more)."""
         own = [t.result.wall_s for t in self.trials if t.ok and t.candidate == candidate]
         if own:
             return own[-1] * WALL_MARGIN
@@ -180,7 +184,9 @@ class Search:
             return (max(like) if compiled else max(statistics.median(like), like[-1])) * WALL_MARGIN
         if not walls:
             return 0.0
-        return statistics.median(walls) * (5.0 if compiled else 1.0) * WALL_MARGIN  # compiling: a guess
+        typical = statistics.median(walls)
+        # Compiling, a guess until one is measured: a cold compile costs seconds whatever the trial's length.
+        return (max(5.0 * typical, typical + FIRST_COMPILE_S) if compiled else typical) * WALL_MARGIN
 
     # -- one trial ----------------------------------------------------------------------------------
     def measure(self, stage: str, candidate: Candidate, keep_s: float = 0.0) -> Trial:
@@ -383,7 +389,8 @@ class Search:
         if self.data.has("batch_size"):
             base_batch = int(self.data.values["batch_size"])
             limit = self.max_batch or base_batch * 16
-            larger = batch_candidates(best.candidate, base_batch, self.keep_global_batch, limit)
+            accumulate = int(self.spec.get("recipe_accumulate") or 1)
+            larger = batch_candidates(best.candidate, base_batch, self.keep_global_batch, limit, accumulate)
             best = self.stage("batch", larger, best, keep_trials=2)
         else:
             self.notes.append(

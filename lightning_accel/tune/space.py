@@ -122,10 +122,15 @@ def precision_compile_candidates(best: Candidate, accelerator: str, has_blocks: 
             yield best.with_(compile="module", compile_mode=mode)
 
 
-def batch_candidates(best: Candidate, base_batch: int, keep_global_batch: bool, max_batch: int) -> Iterator[Candidate]:
-    """Doubling batch sizes from the current one; with ``keep_global_batch``, fewer accumulation steps to match."""
+def batch_candidates(
+    best: Candidate, base_batch: int, keep_global_batch: bool, max_batch: int, base_accumulate: int = 1
+) -> Iterator[Candidate]:
+    """Doubling batch sizes from the current one; with ``keep_global_batch``, fewer accumulation steps to match.
+
+    ``base_batch`` and ``base_accumulate`` are the recipe's, for a candidate that does not change them.
+    """
     batch = best.batch_size or base_batch
-    accumulate = best.accumulate_grad_batches or 1
+    accumulate = best.accumulate_grad_batches or base_accumulate
     global_batch = batch * accumulate
     while batch * 2 <= max_batch:
         batch *= 2
