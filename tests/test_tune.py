@@ -224,6 +224,26 @@ def test_keep_global_batch_trades_the_recipes_accumulation_for_batch(monkeypatch
     assert (res.best.candidate.batch_size, res.best.candidate.accumulate_grad_batches) == (32, 1)
 
 
+def test_one_slow_reading_does_not_end_the_batch_stage(monkeypatch, tmp_path):
+    """Two runs of the baseline agreed (noise 0.4%), then one run of batch 64 read 0.92x batch 32: the stage goes
+    on to 128 (it stopped there), and a drop of more than 10% still ends it."""
+    speed = {None: 100.0, 32: 150.0, 64: 138.0, 128: 180.0, 256: 150.0, 512: 400.0}
+
+    def fake_trial(spec, timeout_s, workdir):
+        batch = spec["candidate"]["batch_size"]
+        sps = speed[batch] * (1.004 if batch is None and fake_trial.runs else 1.0)
+        fake_trial.runs += 1
+        return TrialResult(samples_per_sec=sps, losses=[1.0], batch_size=batch or 16, wall_s=0.01)
+
+    fake_trial.runs = 0
+    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    search = Search({}, DataKnobs({"batch_size": 16}), "cpu", False, 60, lambda r: None, max_batch=512)
+    res = search.run(Candidate(precision="32-true"), baseline_is_reference=True)
+    batches = [t.candidate.batch_size for t in res.trials if t.stage == "batch"]
+    assert search.noise < 0.01 and batches == [32, 64, 128, 256], batches  # 256 at 0.83x of 128: stop
+    assert res.best.candidate.batch_size == 128
+
+
 def test_tuned_recipe_applies_the_choice_and_keeps_the_samples(tmp_path):
     recipe = yaml.safe_load((ROOT / "recipes/tiny_gpt_cpu.yaml").read_text())
     base = result("baseline", Candidate(precision="32-true"), 1000, batch=16)
