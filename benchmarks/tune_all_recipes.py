@@ -29,24 +29,16 @@ from lightning_accel.tune import Candidate, TrialSettings, tune
 CPU_RECIPES = ("recipes/mlp_cpu.yaml", "recipes/tiny_gpt_cpu.yaml", "recipes/tiny_gpt_ddp_cpu.yaml")
 
 
-def devices(recipe: str) -> int:
-    """The recipe's ``trainer.devices`` (1 when unset or not a count)."""
-    import yaml
-
-    value = (yaml.safe_load(Path(recipe).read_text()).get("trainer") or {}).get("devices", 1)
-    return value if isinstance(value, int) else 1
-
-
 def run_one(recipe: str, budget: str, rounds: int, measure_s: float, out: Path) -> dict[str, Any]:
     """Tune ``recipe``, re-measure untuned vs tuned side by side and evaluate the three checks."""
     tuned_path = out / f"{Path(recipe).stem}_tuned.yaml"
     started = time.perf_counter()
     result = tune(recipe, budget=budget, out=tuned_path)
     wall_s = time.perf_counter() - started
-    accepted = [t.amortized_sps for t in result.trials if t.ok and not t.verdict.startswith("rejected")]
-    fastest = max(accepted)
+    fastest = max(t.amortized_sps for t in result.trials if t.accepted)
     settings = TrialSettings(measure_s=measure_s)
-    fork = devices(recipe) == 1  # multi-device trials re-run their command line: a new interpreter each
+    # Multi-device trials re-run their command line, a new interpreter each: as tune's own trials did.
+    fork = result.baseline.result.world_size == 1
     variants = {"untuned": (recipe, Candidate(), False), "tuned": (str(tuned_path), Candidate(), True)}
     per_round, median = side_by_side(variants, settings, rounds, fork)
     ratio = median["tuned"] / median["untuned"]

@@ -85,6 +85,11 @@ class Trial:
     def ok(self) -> bool:
         return self.result is not None and self.result.error is None and self.amortized_sps is not None
 
+    @property
+    def accepted(self) -> bool:
+        """Measured and not rejected by the numerics guard: a candidate the final choice may fall on."""
+        return self.ok and not self.verdict.startswith("rejected")
+
     def as_dict(self) -> dict[str, Any]:
         r = self.result
         return {
@@ -349,7 +354,7 @@ class Search:
         it rests on as many: one lucky run must not displace a mean of several (it did, before this).
         """
         while True:
-            accepted = [t for t in self.trials if t.ok and not t.verdict.startswith("rejected")]
+            accepted = [t for t in self.trials if t.accepted]
             fastest = max(accepted, key=lambda t: t.amortized_sps or 0.0)
             if fastest is best or not self.faster(fastest, best):
                 return best
