@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# tests/test_prometheus.py scrapes our exporter with a real Prometheus server: Debian's package.
+# tests/monitor/test_prometheus.py scrapes our exporter with a real Prometheus server: Debian's package.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 prometheus-server:
 	@command -v prometheus >/dev/null || { \

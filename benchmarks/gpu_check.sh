@@ -53,10 +53,10 @@ step() {  # step NAME SECONDS command...: each section is bounded and never stop
 # 1. fp32 eager vs bf16-mixed vs compiled on the tiny-GPT recipe's model (steps/s, MFU)
 step precision_compile 130 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
-step gpu_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_monitor.py \
-  "tests/test_goodput.py::test_gpu_kernels_are_charged_to_compute" \
-  "tests/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/test_data_dali.py::test_gpu_mixed_decode" \
-  "tests/test_checkpoint_cost.py::test_cuda_tensors_stage_into_pinned_buffers_without_blocking_the_host"
+step gpu_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/monitor/test_utilization.py \
+  "tests/monitor/test_goodput.py::test_gpu_kernels_are_charged_to_compute" \
+  "tests/strategies/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/data/test_dali.py::test_gpu_mixed_decode" \
+  "tests/checkpoint/test_cost.py::test_cuda_tensors_stage_into_pinned_buffers_without_blocking_the_host"
 # 3. single-GPU strategies: plain vs accel_zero2 vs accel_fsdp
 step strategies 70 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
 # 4. checkpoint cost end to end from GPU memory (pinned staging): ours sync/async vs Lightning's AsyncCheckpointIO
@@ -73,7 +73,7 @@ step goodput 30 $PY -m benchmarks.goodput_attribution --gpu --steps 100 --rounds
 # 7. the doctor's GPU-only findings (sync stalls, pageable copies, idle time via HolisticTraceAnalysis,
 #    precision, memory headroom), then `lightning-accel profile` on the GPU recipe (traces stay on the device)
 step doctor 50 bash -c "$PY -m pytest -q -p no:cacheprovider \
-  tests/test_doctor.py::test_gpu_doctor_measures_syncs_pageable_copies_and_idle_time \
+  tests/profile/test_doctor.py::test_gpu_doctor_measures_syncs_pageable_copies_and_idle_time \
   && COLUMNS=200 $PY -m lightning_accel.cli profile --config recipes/tiny_gpt_gpu.yaml --out /tmp/profile_gpu \
      --wait 10 --active 3 --trainer.enable_progress_bar false \
   && mkdir -p $RES/profile && cp /tmp/profile_gpu/doctor.* /tmp/profile_gpu/profile/profile_summary.json $RES/profile/"

@@ -22,14 +22,14 @@ from typing import Any
 
 from benchmarks.harness import RESULTS, save_figure, write_json
 from lightning_accel.tune import Candidate, TrialSettings, tune
-from lightning_accel.tune.trial import run_trial
+from lightning_accel.tune.server import run_trial
 
 
 def batch_size_finder(config: str, max_trials: int) -> int:
     """The batch size Lightning's BatchSizeFinder picks for the recipe (power mode, from the recipe's batch)."""
     from lightning.pytorch.callbacks import BatchSizeFinder
 
-    from lightning_accel.cli import build_cli
+    from lightning_accel.recipe import build_cli
 
     with tempfile.TemporaryDirectory() as tmp:
         cli = build_cli(

@@ -6,9 +6,9 @@ Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/arch
 
 from lightning_accel import tune  # a callable package: lightning_accel.tune(...) runs the search
 from lightning_accel.checkpoint import AtomicCheckpointIO, Preempted, PreemptionCheckpoint, find_resume_checkpoint
-from lightning_accel.compile import CompileCallback, TorchCompile
+from lightning_accel.compile import TorchCompile
 from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
-from lightning_accel.monitor import GoodputMonitor, PrometheusExporter, ThroughputCallback, UtilizationMonitor
+from lightning_accel.monitor import GoodputMonitor, PrometheusExporter, UtilizationMonitor
 from lightning_accel.precision import auto_precision, choose_precision
 from lightning_accel.profile import Finding, TorchProfiler, diagnose
 from lightning_accel.strategies import PRESETS, close_gloo_process_group_at_exit, register_presets
@@ -19,7 +19,6 @@ __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
     "AtomicCheckpointIO",
-    "CompileCallback",
     "Finding",
     "GoodputMonitor",
     "Preempted",
@@ -28,7 +27,6 @@ __all__ = [
     "ResumableDataLoader",
     "SyntheticClassificationDataModule",
     "SyntheticTokenDataModule",
-    "ThroughputCallback",
     "TorchCompile",
     "TorchProfiler",
     "UtilizationMonitor",

@@ -7,6 +7,7 @@ renames or changes one fails that test by name instead of breaking a training ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, get_args
 
@@ -66,6 +67,7 @@ TRAIN_FETCH_ACTION = "[_TrainingEpochLoop].train_dataloader_next"
 TRAINING_BATCH_ACTION = "run_training_batch"
 SAVE_CHECKPOINT_ACTION = "save_checkpoint"
 STRATEGY_ACTION_PREFIX = "[Strategy]"  # + "<StrategyClass>.batch_to_device" / ".training_step"
+LIGHTNING_MODULE_ACTION_PREFIX = "[LightningModule]"  # + "<ModuleClass>.optimizer_step" (a module hook)
 
 
 def dispatch_mode_active() -> bool:
@@ -73,3 +75,27 @@ def dispatch_mode_active() -> bool:
     first called under one is skipped by dynamo for good and runs eagerly from then on (torch has no public
     way to ask)."""
     return _get_current_dispatch_mode() is not None
+
+
+def wrap_validation_runs(trainer: Trainer, enter: Callable[[], None], leave: Callable[[], None]) -> Callable[[], None]:
+    """Call ``enter`` before and ``leave`` after every run of the fit loop's validation loop, all of it (loader
+    set-up, worker start, steps, hooks: no profiler action or hook spans that); returns the undo.
+
+    Replaces ``run`` on this loop instance only (Lightning's private loop attributes, ``fit_loop.epoch_loop``).
+    """
+    loop = trainer.fit_loop.epoch_loop.val_loop
+    original = loop.run
+
+    def run_validation() -> Any:
+        enter()
+        try:
+            return original()
+        finally:
+            leave()
+
+    loop.run = run_validation
+
+    def undo() -> None:
+        loop.__dict__.pop("run", None)
+
+    return undo

@@ -17,80 +17,16 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Literal
 
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.strategies import ParallelStrategy
-
-import lightning_accel  # noqa: F401  (registers the strategy presets)
-from lightning_accel._compat import PrecisionInput
-from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
-from lightning_accel.launch import exit_launcher, torchrun
+from lightning_accel.launch import exit_launcher, fit_on_ray, split_ray_args, torchrun
 from lightning_accel.monitor import GoodputMonitor
-from lightning_accel.precision import auto_precision
 from lightning_accel.profile import TorchProfiler, diagnose, load_run, report
-from lightning_accel.strategies import check_strategy_name, close_gloo_process_group_at_exit
-from lightning_accel.strategies.process_group import init_for_strategy
-from lightning_accel.strategies.ray_train import fit_on_ray, split_ray_args
+from lightning_accel.recipe import build_cli
+from lightning_accel.strategies import close_gloo_process_group_at_exit
+from lightning_accel.tune import tune
+from lightning_accel.tune.config import add_cli_options, config_from_cli
 
 log = logging.getLogger(__name__)
-
-
-class AccelTrainer(Trainer):
-    """``Trainer`` that also accepts ``precision="auto-mixed"`` (resolved by :func:`auto_precision`).
-
-    Everything else is passed to :class:`lightning.pytorch.Trainer` unchanged.
-    """
-
-    def __init__(
-        self, *args: Any, precision: PrecisionInput | Literal["auto-mixed"] | None = None, **kwargs: Any
-    ) -> None:
-        if precision is not None:  # "auto-mixed" is resolved; an explicit choice is checked against the hardware
-            precision = auto_precision(precision, accelerator=str(kwargs.get("accelerator", "auto")))
-        if isinstance(kwargs.get("strategy"), str):
-            check_strategy_name(kwargs["strategy"])
-        super().__init__(*args, precision=precision, **kwargs)
-
-
-class AccelCLI(LightningCLI):
-    """LightningCLI whose ``fit --ckpt_path auto`` resumes from the newest valid checkpoint."""
-
-    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        try:
-            return super().instantiate_trainer(**kwargs)
-        except ValueError as err:  # a bad precision/strategy value: report it like any other config error
-            self.parser.error(f"invalid trainer configuration: {err}")
-
-    def before_fit(self) -> None:
-        if isinstance(self.trainer.strategy, ParallelStrategy):
-            init_for_strategy(self.trainer.strategy)  # stock strategies too: a group that survives torchrun restarts
-        cfg = self.config[self.subcommand]
-        if cfg.get("ckpt_path") != "auto":
-            return
-        cb = next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
-        if cb is None:
-            self.parser.error("--ckpt_path auto needs a PreemptionCheckpoint callback (it names the folder to search)")
-        found = find_resume_checkpoint(cb.dirpath)
-        log.info("ckpt_path=auto: %s", f"resuming from {found}" if found else "no valid checkpoint, starting fresh")
-        cfg["ckpt_path"] = found
-        self.config_init[self.subcommand]["ckpt_path"] = found
-
-
-def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[AccelCLI] | None = None) -> AccelCLI:
-    """Parse ``args`` (default: ``sys.argv``), build the objects and run the subcommand (``run=False``: only build;
-    ``args`` then has no subcommand). ``cli_class``: a subclass of :class:`AccelCLI` (Ray's workers use one)."""
-    return (cli_class or AccelCLI)(
-        LightningModule,
-        LightningDataModule,
-        trainer_class=AccelTrainer,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=run,
-        auto_configure_optimizers=False,
-    )
 
 
 def doctor(args: list[str]) -> int:
@@ -148,39 +84,18 @@ def tune_command(args: list[str]) -> int:
 
     Arguments after the options are passed to the recipe (e.g. ``--trainer.max_steps 500``).
     """
-    from lightning_accel.tune import TrialSettings, tune
-
     parser = argparse.ArgumentParser(prog="lightning-accel tune", description=tune_command.__doc__)
     parser.add_argument("--config", required=True, help="recipe YAML (as for `lightning-accel fit`)")
-    parser.add_argument("--budget", default="5m", help="wall-clock limit: seconds, or e.g. 90s, 5m, 1h (default 5m)")
-    parser.add_argument("--out", type=Path, default=None, help="tuned recipe (default runs/tune/<recipe>/tuned.yaml)")
-    parser.add_argument("--keep-global-batch", action="store_true", help="larger batches with fewer accumulations")
-    parser.add_argument("--max-batch", type=int, default=None, help="largest batch size to try (default 16x)")
-    parser.add_argument("--loss-tolerance", type=float, default=0.05, help="largest relative loss drift vs fp32")
-    parser.add_argument("--min-gain", type=float, default=0.02, help="smallest speedup that changes a setting")
-    parser.add_argument("--warmup", type=int, default=5, help="unmeasured batches per trial")
-    parser.add_argument("--measure-s", type=float, default=3.0, help="measured seconds per trial")
+    add_cli_options(parser)
     ns, overrides = parser.parse_known_args(args)
-    from lightning_accel.tune.search import parse_budget
-
     try:
-        parse_budget(ns.budget)
+        options = config_from_cli(ns)
     except ValueError as err:
         parser.error(str(err))
     if not Path(ns.config).is_file():
         parser.error(f"recipe {ns.config!r} does not exist")
     try:
-        tune(
-            ns.config,
-            overrides=overrides,
-            budget=ns.budget,
-            out=ns.out,
-            keep_global_batch=ns.keep_global_batch,
-            max_batch=ns.max_batch,
-            loss_tolerance=ns.loss_tolerance,
-            min_gain=ns.min_gain,
-            settings=TrialSettings(warmup=ns.warmup, measure_s=ns.measure_s),
-        )
+        tune(ns.config, overrides=overrides, options=options)
     except RuntimeError as err:  # the untuned recipe does not train
         log.error("%s", err)
         return 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -13,11 +12,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lightning_accel._compat import dispatch_mode_active
+from lightning_accel.phases import COMPILE_ACTION
 
 log = logging.getLogger(__name__)
-
-
-COMPILE_ACTION = "torch_compile"  # profiler action around compiling calls; GoodputMonitor charges it to `compile`
 
 
 class _CompiledForward:
@@ -151,11 +148,3 @@ class TorchCompile(Callback):
         for module in self._patched:
             module.__dict__.pop("forward", None)
         self._patched.clear()
-
-
-class CompileCallback(TorchCompile):
-    """Deprecated alias of :class:`TorchCompile` (removed in 0.3)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        warnings.warn("CompileCallback is deprecated: use lightning_accel.TorchCompile", FutureWarning, stacklevel=2)
-        super().__init__(*args, **kwargs)

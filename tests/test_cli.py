@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
-from lightning_accel.cli import build_cli
 from lightning_accel.monitor import GoodputMonitor
+from lightning_accel.recipe import build_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -124,13 +124,13 @@ def test_ckpt_path_auto_starts_fresh_then_resumes(tmp_path, caplog):
         "--trainer.default_root_dir",
         str(tmp_path),
     ]
-    with caplog.at_level("INFO", logger="lightning_accel.cli"):
+    with caplog.at_level("INFO", logger="lightning_accel.recipe"):
         first = build_cli([*common, "--trainer.max_steps", "10"])
     assert "no valid checkpoint, starting fresh" in caplog.text
     assert first.trainer.global_step == 10
     assert (ckpts / "step=00000010.ckpt").is_file()
     caplog.clear()
-    with caplog.at_level("INFO", logger="lightning_accel.cli"):
+    with caplog.at_level("INFO", logger="lightning_accel.recipe"):
         second = build_cli([*common, "--trainer.max_steps", "15"])
     assert f"resuming from {ckpts / 'step=00000010.ckpt'}" in caplog.text
     assert second.trainer.global_step == 15

@@ -131,8 +131,36 @@ def test_profiler_actions_the_ledger_charges_are_the_ones_lightning_emits(tmp_pa
         _compat.SAVE_CHECKPOINT_ACTION,
         f"{strategy}.batch_to_device",
         f"{strategy}.training_step",
+        f"{strategy}.backward",
+        f"{_compat.LIGHTNING_MODULE_ACTION_PREFIX}BoringModel.optimizer_step",
     }
     assert expected <= actions, f"Lightning renamed profiler actions; GoodputMonitor misses {expected - actions}"
+
+
+def test_validation_runs_are_wrapped_whole_and_unwrapped(tmp_path):
+    calls: list[str] = []
+
+    class Probe(BoringModel):
+        def validation_step(self, batch, batch_idx):
+            calls.append("step")
+            return super().validation_step(batch, batch_idx)
+
+    trainer = Trainer(
+        max_steps=4,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
+    loop = trainer.fit_loop.epoch_loop.val_loop
+    undo = _compat.wrap_validation_runs(trainer, lambda: calls.append("enter"), lambda: calls.append("leave"))
+    trainer.fit(Probe())
+    assert calls == ["enter", "step", "leave"] * 2
+    undo()
+    assert "run" not in loop.__dict__  # the class's own run again
 
 
 def test_private_lightning_names_only_in_compat():

@@ -1,19 +1,16 @@
 """Preemption-safe checkpointing: atomic (optionally async) writes, signal handling, exact auto-resume."""
 
-from lightning_accel.checkpoint.atomic import (
-    AsyncAtomicCheckpointIO,
-    AtomicCheckpointIO,
-    CorruptCheckpointError,
-    Verdict,
-    atomic_save,
-    verify,
-)
+from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO, AsyncWrite
+from lightning_accel.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError, atomic_save
+from lightning_accel.checkpoint.durable import Verdict
 from lightning_accel.checkpoint.preemption import EXIT_CODE_PREEMPTED, Preempted, PreemptionCheckpoint
 from lightning_accel.checkpoint.resume import find_resume_checkpoint, list_checkpoints
+from lightning_accel.checkpoint.verify import verify
 
 __all__ = [
     "EXIT_CODE_PREEMPTED",
     "AsyncAtomicCheckpointIO",
+    "AsyncWrite",
     "AtomicCheckpointIO",
     "CorruptCheckpointError",
     "Preempted",

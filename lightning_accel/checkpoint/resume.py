@@ -8,7 +8,8 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_accel.checkpoint.atomic import TMP_MARKER, PathLike, read_manifest, verify
+from lightning_accel.checkpoint.durable import TMP_MARKER, PathLike, read_manifest
+from lightning_accel.checkpoint.verify import verify
 
 log = logging.getLogger(__name__)
 

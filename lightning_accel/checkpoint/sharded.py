@@ -11,20 +11,11 @@ us): it is trusted only when it holds DCP's ``.metadata``, with a warning.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.checkpoint.atomic import (
-    CHECKSUM,
-    MANIFEST_FORMAT,
-    Verdict,
-    _fsync_dir,
-    _write_durably,
-    file_digest,
-    manifest_path,
-)
+from lightning_accel.checkpoint.durable import CHECKSUM, MANIFEST_FORMAT, Verdict, file_digest, write_manifest
 
 CHECKSUM_LIMIT = 64 * 2**20  # files up to this size are checksummed: metadata, not shards
 DCP_METADATA = ".metadata"
@@ -51,8 +42,7 @@ def seal_folder(folder: Path, meta: dict[str, Any] | None = None) -> dict[str, A
         "created_unix": time.time(),
         **(meta or {}),
     }
-    _write_durably(manifest_path(folder), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    _fsync_dir(folder.parent)
+    write_manifest(folder, manifest)
     return manifest
 
 

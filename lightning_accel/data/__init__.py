@@ -25,7 +25,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _DALI_NAMES:
-        from lightning_accel.data import dali
+        from lightning_accel.data import dali, dali_loader
 
-        return getattr(dali, name)
+        return getattr(dali_loader, name, None) or getattr(dali, name)
     raise AttributeError(f"module 'lightning_accel.data' has no attribute {name!r}")

@@ -1,15 +1,15 @@
 """Monitoring: the goodput ledger with throughput and MFU, utilization, Prometheus export."""
 
+from lightning_accel.monitor.accounting import GoodputAccounting
 from lightning_accel.monitor.exporter import PrometheusExporter
 from lightning_accel.monitor.goodput import GoodputMonitor
 from lightning_accel.monitor.peaks import cpu_peak_flops, peak_flops
-from lightning_accel.monitor.throughput import ThroughputCallback
 from lightning_accel.monitor.utilization import UtilizationMonitor
 
 __all__ = [
+    "GoodputAccounting",
     "GoodputMonitor",
     "PrometheusExporter",
-    "ThroughputCallback",
     "UtilizationMonitor",
     "cpu_peak_flops",
     "peak_flops",

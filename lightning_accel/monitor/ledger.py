@@ -19,40 +19,33 @@ from typing import Any
 
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
-from lightning_accel._compat import (
-    SAVE_CHECKPOINT_ACTION,
-    STRATEGY_ACTION_PREFIX,
-    TRAIN_FETCH_ACTION,
-    TRAINING_BATCH_ACTION,
-)
-from lightning_accel.compile import COMPILE_ACTION
+from lightning_accel.monitor.forwarding import ForwardingProfiler
+from lightning_accel.phases import phase_of
 
 BUCKETS = ("data", "transfer", "compute", "checkpoint", "validation", "compile", "other")
 TRAIN_BUCKETS = frozenset({"data", "transfer", "compute"})
 FORWARD = "forward"  # not a bucket: forward time inside `compute`, for the straggler check
 EXCLUDED = "excluded"  # not a bucket: the profiler's own work (trace export), left out of the run's time
-PROFILER_ACTION = "lightning_accel.profiler_overhead"
 _NOTHING = nullcontext()  # reusable: entering and leaving it does nothing
+
+
+# The ledger's bucket for each phase of the shared table; the phases inside a training step (backward, optimizer)
+# are already charged to `compute` by the step's own action.
+_BUCKET_OF_PHASE: dict[str, str] = {
+    "data": "data",
+    "transfer": "transfer",
+    "step": "compute",
+    "forward": FORWARD,
+    "checkpoint": "checkpoint",
+    "compile": "compile",
+    "profiler_overhead": EXCLUDED,
+}
 
 
 def bucket_of(action: str) -> str | None:
     """Bucket charged for a Lightning profiler action, ``FORWARD`` for the training step, else ``None``."""
-    if action == TRAINING_BATCH_ACTION:
-        return "compute"
-    if action == TRAIN_FETCH_ACTION:
-        return "data"
-    if action.startswith(STRATEGY_ACTION_PREFIX):
-        if action.endswith(".batch_to_device"):
-            return "transfer"
-        if action.endswith(".training_step"):
-            return FORWARD
-    if action == SAVE_CHECKPOINT_ACTION:
-        return "checkpoint"
-    if action == COMPILE_ACTION:
-        return "compile"
-    if action == PROFILER_ACTION:
-        return EXCLUDED
-    return None
+    phase = phase_of(action)
+    return None if phase is None else _BUCKET_OF_PHASE.get(phase)
 
 
 class Ledger:
@@ -126,55 +119,6 @@ class Ledger:
         if self._since is not None:
             self._charge(self.clock())
         return dict(self.seconds)
-
-
-def remove_wrapper(trainer: Any, wrapper: Profiler) -> None:
-    """Take ``wrapper`` (a profiler forwarding to ``.inner``) out of ``trainer.profiler``'s chain, wherever it sits.
-
-    Callbacks that wrap the profiler for one fit (``GoodputMonitor``, ``TorchProfiler``) tear down in any order.
-    """
-    node, parent = trainer.profiler, None
-    while node is not None and node is not wrapper:
-        parent, node = node, node.__dict__.get("inner")
-    if node is None:
-        return
-    if parent is None:
-        trainer.profiler = wrapper.inner  # type: ignore[attr-defined]
-    else:
-        parent.inner = wrapper.inner  # type: ignore[attr-defined]
-
-
-class ForwardingProfiler(Profiler):
-    """A profiler in front of ``inner`` (the user's, or another wrapper) that forwards all of it; subclasses add
-    their work in ``start`` / ``stop``. Installed for one fit and taken out with :func:`remove_wrapper`."""
-
-    def __init__(self, inner: Profiler) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def start(self, action_name: str) -> None:
-        self.inner.start(action_name)
-
-    def stop(self, action_name: str) -> None:
-        self.inner.stop(action_name)
-
-    def setup(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.setup(*args, **kwargs)
-
-    def teardown(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.teardown(*args, **kwargs)
-
-    def describe(self) -> None:
-        self.inner.describe()
-
-    def summary(self) -> str:
-        return self.inner.summary()
-
-    def __getattr__(self, name: str) -> Any:  # attributes of the user's profiler (its own extras)
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
 
 class LedgerProfiler(ForwardingProfiler):

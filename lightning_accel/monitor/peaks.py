@@ -9,11 +9,11 @@ the table here first. CPU peaks are estimates (cores x clock x FLOPs per cycle),
 
 from __future__ import annotations
 
-import os
-
 import psutil
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
+
+from lightning_accel.host import usable_cores
 
 # Dense peaks in FLOP/s from the vendor datasheets (sparsity figures halved), matched in order as
 # substrings of the lower-cased device name: "h200 nvl" before "h200".
@@ -78,7 +78,7 @@ def precision_dtype(precision: str) -> torch.dtype:
 def cpu_peak_flops(num_cores: int | None = None, freq_mhz: float | None = None) -> float:
     """Estimated fp32 peak of this process's usable cores (an estimate: no datasheet for a CPU)."""
     if num_cores is None:
-        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        num_cores = usable_cores()
     if freq_mhz is None:
         freq = psutil.cpu_freq()
         freq_mhz = (freq.max or freq.current) if freq else 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from lightning_accel.figures import pyplot
 from lightning_accel.monitor.ledger import BUCKETS
 
 COLORS = {
@@ -20,10 +21,7 @@ COLORS = {
 
 def plot_ledger(bars: Mapping[str, Mapping[str, float]], path: str | Path, title: str = "Where the time went") -> Path:
     """Write a horizontal stacked bar per entry of ``bars`` (label -> seconds per bucket) to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(10, 1.6 + 0.7 * len(bars)))
     for row, seconds in enumerate(bars.values()):

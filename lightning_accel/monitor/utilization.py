@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import Any
 
 import psutil
@@ -100,8 +99,6 @@ class UtilizationMonitor(Callback):
         prometheus: A :class:`~lightning_accel.monitor.PrometheusExporter` (shared with ``GoodputMonitor``) or
             a port number (rank ``r`` serves on ``port + local_rank``); ``None``: no export.
         summary: Print peak values at the end of fit.
-        interval_s, prometheus_port, prometheus_addr: Deprecated spellings of ``every_n_seconds`` and
-            ``prometheus`` (``PrometheusExporter(port, addr)``).
     """
 
     def __init__(
@@ -109,31 +106,11 @@ class UtilizationMonitor(Callback):
         every_n_seconds: float = 10.0,
         prometheus: PrometheusExporter | int | None = None,
         summary: bool = True,
-        *,
-        interval_s: float | None = None,
-        prometheus_port: int | None = None,
-        prometheus_addr: str | None = None,
     ) -> None:
-        if interval_s is not None:
-            warnings.warn(
-                "UtilizationMonitor(interval_s=) is deprecated: use every_n_seconds=", FutureWarning, stacklevel=2
-            )
-            every_n_seconds = interval_s
-        if prometheus_port is not None or prometheus_addr is not None:
-            warnings.warn(
-                "UtilizationMonitor(prometheus_port=, prometheus_addr=) is deprecated: use "
-                "prometheus=PrometheusExporter(port, addr) or prometheus=<port>",
-                FutureWarning,
-                stacklevel=2,
-            )
-            if prometheus_port is not None:
-                prometheus = PrometheusExporter(prometheus_port, prometheus_addr or "127.0.0.1")
         if every_n_seconds < 0:
             raise ValueError(f"every_n_seconds must be >= 0, got {every_n_seconds}")
         self.every_n_seconds = every_n_seconds
         self.exporter, self._owns_exporter = resolve_exporter(prometheus)
-        if prometheus_port is not None:
-            self._owns_exporter = True
         self.summary = summary
         self.nvml: _NVML | None = None
         self.last: dict[str, float] = {}

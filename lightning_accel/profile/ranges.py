@@ -9,26 +9,11 @@ from typing import Any
 import torch
 from lightning.pytorch.profilers import Profiler
 
-from lightning_accel._compat import SAVE_CHECKPOINT_ACTION, STRATEGY_ACTION_PREFIX, TRAIN_FETCH_ACTION
-from lightning_accel.monitor.ledger import ForwardingProfiler
+from lightning_accel.monitor.forwarding import ForwardingProfiler
+from lightning_accel.phases import phase_of
 
-STRATEGY_PHASES = ((".batch_to_device", "transfer"), (".training_step", "forward"), (".backward", "backward"))
+# The phases of the shared table (lightning_accel.phases) that get a named range: the parts of a step, and saves.
 PHASES = ("data", "transfer", "forward", "backward", "optimizer", "checkpoint")
-
-
-def phase_of(action: str) -> str | None:
-    """The phase a Lightning profiler action times, or ``None`` for actions left unlabelled."""
-    if action == TRAIN_FETCH_ACTION:
-        return "data"
-    if action == SAVE_CHECKPOINT_ACTION:
-        return "checkpoint"
-    if action.startswith(STRATEGY_ACTION_PREFIX):
-        for suffix, phase in STRATEGY_PHASES:
-            if action.endswith(suffix):
-                return phase
-    if action.endswith(".optimizer_step") and action.startswith("[LightningModule]"):
-        return "optimizer"
-    return None
 
 
 class PhaseRanges(ForwardingProfiler):
@@ -45,7 +30,7 @@ class PhaseRanges(ForwardingProfiler):
 
     def start(self, action_name: str) -> None:
         phase = phase_of(action_name)
-        if phase is not None:
+        if phase in PHASES:
             if self.nvtx:
                 torch.cuda.nvtx.range_push(phase)
             record = torch.profiler.record_function(phase)

@@ -12,8 +12,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from lightning_accel.monitor.forwarding import remove_wrapper
 from lightning_accel.monitor.goodput import GoodputMonitor
-from lightning_accel.monitor.ledger import PROFILER_ACTION, remove_wrapper
+from lightning_accel.phases import PROFILER_ACTION
 from lightning_accel.profile.ranges import PHASES, PhaseRanges
 
 log = logging.getLogger(__name__)

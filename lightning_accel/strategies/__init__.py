@@ -7,9 +7,8 @@ from lightning_accel.strategies.process_group import (
     AccelDDPStrategy,
     close_gloo_process_group,
     close_gloo_process_group_at_exit,
-    init_for_strategy,
+    init_restart_safe_process_group,
 )
-from lightning_accel.strategies.ray_train import RayReport, fit_on_ray
 
 __all__ = [
     "PRESETS",
@@ -17,13 +16,11 @@ __all__ = [
     "AccelDeepSpeedStrategy",
     "AccelFSDPStrategy",
     "Preset",
-    "RayReport",
     "check_strategy_name",
     "close_gloo_process_group",
     "close_gloo_process_group_at_exit",
     "find_block_classes",
-    "fit_on_ray",
-    "init_for_strategy",
+    "init_restart_safe_process_group",
     "register_presets",
     "zero3_config",
 ]

@@ -5,7 +5,7 @@ and that store outlives a restart: torch's env:// rendezvous adds no per-attempt
 per round, which the agent does not make. So after a worker dies and torchrun restarts the group, the keys of
 the dead attempt are still there: the first restarted rank to look reads a dead peer's gloo address, fails to
 connect ("connectFullMesh failed ... Connection refused") and fails the attempt, or the ranks wait for each
-other on mismatched keys for good. We measured 3 hangs in 7 kill-and-restart trials (issue #17).
+other on mismatched keys for good (tests/launch/test_elastic.py kills and restarts a group to check this).
 
 :func:`init_elastic_process_group` opens the group itself before Lightning does, on the same agent store under a
 prefix naming the attempt (``TORCHELASTIC_RESTART_COUNT``), so each attempt starts from an empty namespace.

@@ -21,10 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 
 from lightning_accel._compat import materialize_distributed_module, optimizers_to_device, set_data_parallel_size
-from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit, init_for_strategy
+from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit, init_restart_safe_process_group
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class AccelFSDPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Pure data parallelism: every process is one shard ("auto" would give one shard per node).
         set_data_parallel_size(self, self.num_nodes * self.num_processes)
-        init_for_strategy(self)  # under torchrun: a group that survives its restarts
+        init_restart_safe_process_group(self)  # under torchrun: a group that survives its restarts
         super().setup_environment()
 
     def setup_distributed(self) -> None:
@@ -121,8 +121,6 @@ class AccelFSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         # ModelParallelStrategy.setup (its digest is pinned in _compat.py), with our automatic sharding
         # in place of the configure_model() it requires.
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         assert self.model is not None and self.accelerator is not None  # set by the Trainer before setup()
         self.accelerator.setup(trainer)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):

@@ -53,7 +53,7 @@ def close_gloo_process_group_at_exit() -> None:
     atexit.register(close_gloo_process_group)
 
 
-def init_for_strategy(strategy: ParallelStrategy) -> bool:
+def init_restart_safe_process_group(strategy: ParallelStrategy) -> bool:
     """Open ``strategy``'s process group on torchrun's store, namespaced by the restart attempt (see
     :mod:`lightning_accel.strategies.elastic`); a no-op outside torchrun. Lightning then uses the open group."""
     device = strategy.root_device
@@ -68,6 +68,6 @@ class AccelDDPStrategy(DDPStrategy):
     above (a no-op at exit unless the group is gloo)."""
 
     def setup_distributed(self) -> None:
-        init_for_strategy(self)
+        init_restart_safe_process_group(self)
         super().setup_distributed()
         close_gloo_process_group_at_exit()

@@ -18,19 +18,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.tune.report import plot, print_report, show_trial, wide_console, write_json, write_tuned_yaml
-from lightning_accel.tune.search import Search, Trial, TuneResult, data_knobs, parse_budget, pickle_objects
-from lightning_accel.tune.space import Candidate
-from lightning_accel.tune.trial import TrialResult, TrialSettings, temporary_workdir
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["Candidate", "TrialSettings", "TuneResult", "tune"]
+from lightning_accel.compile import TorchCompile
+from lightning_accel.recipe import AccelTrainer, build_cli
+from lightning_accel.strategies.fsdp import find_block_classes
+from lightning_accel.tune.config import TuneConfig, parse_budget
+from lightning_accel.tune.report import plot, print_report, trial_line, wide_console, write_json, write_tuned_yaml
+from lightning_accel.tune.search import Search, Trial, TuneResult, data_knobs, pickle_objects
+from lightning_accel.tune.server import temporary_workdir
+from lightning_accel.tune.space import Candidate
+from lightning_accel.tune.trial import TrialResult, TrialSettings
+
+__all__ = ["Candidate", "TrialSettings", "TuneConfig", "TuneResult", "parse_budget", "tune"]
 
 log = logging.getLogger(__name__)
 
 
 def _compile_of(trainer: Any) -> tuple[str, str | None]:
-    from lightning_accel.compile import TorchCompile
-
     found = [c for c in trainer.callbacks if isinstance(c, TorchCompile)]
     if not found:
         return "off", None
@@ -38,8 +45,6 @@ def _compile_of(trainer: Any) -> tuple[str, str | None]:
 
 
 def _block_names(model: Any) -> list[str]:
-    from lightning_accel.strategies.fsdp import find_block_classes
-
     blocks = tuple(find_block_classes(model))
     return [name for name, m in model.named_modules() if name and blocks and isinstance(m, blocks)]
 
@@ -68,14 +73,9 @@ def tune(
     datamodule: Any = None,
     trainer_kwargs: dict[str, Any] | None = None,
     overrides: Sequence[str] = (),
-    budget: str | float = "5m",
-    out: str | Path | None = None,
-    keep_global_batch: bool = False,
-    max_batch: int | None = None,
-    loss_tolerance: float = 0.05,
-    min_gain: float = 0.02,
-    settings: TrialSettings | None = None,
+    options: TuneConfig | None = None,
     show: bool = True,
+    **fields: Any,
 ) -> TuneResult:
     """Try precision, compile, loader and batch settings on this model and data, each trial in a fresh process.
 
@@ -84,16 +84,8 @@ def tune(
         model / datamodule / trainer_kwargs: Instead of a recipe: untrained objects (picklable, defined at
             module level) and the ``Trainer`` arguments of the run to tune; ``datamodule=None`` for a model
             with its own ``train_dataloader()`` (its loader knobs are then the model's).
-        budget: Wall-clock limit for the whole search (``300``, ``"90s"``, ``"5m"``); no trial starts that
-            the remaining budget cannot finish, and a running one is stopped at the limit.
-        out: The tuned recipe (config only; default ``runs/tune/<recipe>/tuned.yaml``). ``tuned.json`` (every
-            trial) and ``tuned.png`` go beside it; with objects, only ``out``'s folder is used, if given.
-        keep_global_batch: Keep ``batch_size x accumulate_grad_batches`` when trying larger batches.
-        max_batch: Largest batch size to try (default 16x the recipe's).
-        loss_tolerance: Largest relative drift of the mean loss over the first batches from the fp32 eager
-            reference's before a precision or compile candidate is rejected.
-        min_gain: A candidate replaces the best so far only when faster by more than this share.
-        settings: Trial length (warm-up batches, measured seconds).
+        options: How the search runs (:class:`TuneConfig`: budget, out, keep_global_batch, max_batch,
+            loss_tolerance, min_gain, settings); or pass those as keywords (``budget="90s"``, ``max_batch=256``).
         show: Print the live progress and the final table.
 
     Returns:
@@ -101,12 +93,13 @@ def tune(
     """
     if (config is None) == (model is None):
         raise ValueError("tune needs either config= (a recipe YAML) or model= (with datamodule= and trainer_kwargs=)")
-    seconds = parse_budget(budget)
+    if options is not None and fields:
+        raise TypeError(f"tune() takes options= or TuneConfig keywords, not both (got options and {sorted(fields)})")
+    options = options or TuneConfig.from_options(**fields)
     started = time.perf_counter()
     workdir = temporary_workdir()
+    out = options.out
     if config is not None:
-        from lightning_accel.cli import build_cli
-
         config = Path(config)
         if not config.is_file():
             raise FileNotFoundError(f"recipe {str(config)!r} does not exist")
@@ -115,12 +108,8 @@ def tune(
         params = inspect.signature(type(datamodule).__init__).parameters
         knobs = data_knobs(datamodule, params)
         spec: dict[str, Any] = {"config": str(config), "overrides": list(overrides)}
-        out = Path(out) if out is not None else Path("runs/tune") / config.stem / "tuned.yaml"
+        out = out if out is not None else Path("runs/tune") / config.stem / "tuned.yaml"
     else:
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
-        from lightning_accel.cli import AccelTrainer
-
         if datamodule is None and not is_overridden("train_dataloader", model):
             raise ValueError(
                 "tune(model=...) needs datamodule= too (the data the model trains on), unless the model defines "
@@ -131,11 +120,10 @@ def tune(
         knobs = data_knobs(datamodule if datamodule is not None else model)  # where train_dataloader() lives
         pickle_objects(model, datamodule, trainer_kwargs, workdir / "objects.pkl")
         spec = {"objects": str(workdir / "objects.pkl")}
-        out = Path(out) if out is not None else None
     spec["recipe_accumulate"] = trainer.accumulate_grad_batches
     # Multi-device trials start their ranks by re-running their command line: a new interpreter each.
     spec["fork"] = trainer.world_size == 1
-    accelerator = "gpu" if trainer.accelerator.__class__.__name__ == "CUDAAccelerator" else "cpu"
+    accelerator = "gpu" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
     scope, mode = _compile_of(trainer)
     blocks = _block_names(model)
     baseline = Candidate(precision=str(trainer.precision), compile=scope, compile_mode=mode)  # type: ignore[arg-type]
@@ -144,16 +132,12 @@ def tune(
         knobs,
         accelerator,
         has_blocks=bool(blocks),
-        budget_s=seconds - (time.perf_counter() - started),
+        budget_s=options.budget_s - (time.perf_counter() - started),
         planned=_planned_samples(trainer),
-        settings=settings,
-        loss_tolerance=loss_tolerance,
-        min_gain=min_gain,
-        keep_global_batch=keep_global_batch,
-        max_batch=max_batch,
+        config=options,
         workdir=workdir,
     )
-    with _Progress(show, seconds, search) as on_trial:
+    with _Progress(show, options.budget_s, search) as on_trial:
         search.on_trial = on_trial
         result = search.run(baseline, baseline_is_reference=baseline.precision == "32-true" and scope == "off")
     result.elapsed_s = time.perf_counter() - started
@@ -177,8 +161,6 @@ class _Progress:
     def __enter__(self) -> Any:
         if not self.show:
             return lambda trial: None
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
         self.bar = Progress(
             TextColumn("tune"),
             BarColumn(),
@@ -191,7 +173,7 @@ class _Progress:
         self.bar.start()
 
         def on_trial(trial: Trial) -> None:
-            self.bar.console.print(show_trial(trial), highlight=False, markup=False)
+            self.bar.console.print(trial_line(trial), highlight=False, markup=False)
             elapsed = time.perf_counter() - self.search.start
             done = f"{len(self.search.trials)} trials"
             self.bar.update(self.task, completed=min(elapsed, self.budget_s), description=done)

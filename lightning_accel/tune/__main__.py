@@ -6,9 +6,10 @@ Here rather than under ``trial.py``'s ``if __name__ == "__main__"``: the package
 
 import sys
 
-from lightning_accel.tune.trial import child, serve
+from lightning_accel.tune.server import serve
+from lightning_accel.tune.trial import run_trial_process
 
 if sys.argv[1:] == ["--serve"]:
     serve()
 else:
-    child(sys.argv[1], sys.argv[2])
+    run_trial_process(sys.argv[1], sys.argv[2])

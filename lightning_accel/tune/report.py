@@ -12,6 +12,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from lightning_accel.figures import pyplot
 from lightning_accel.tune.search import Trial, TuneResult
 from lightning_accel.tune.space import Candidate
 
@@ -73,10 +74,7 @@ def write_json(result: TuneResult, path: Path) -> Path:
 
 def plot(result: TuneResult, path: Path) -> Path:
     """Horizontal bars of amortized samples/s per trial: the chosen one green, rejected and failed ones grey."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     measured = [t for t in result.trials if t.amortized_sps is not None]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(measured) + 1.5))
@@ -189,7 +187,7 @@ def write_tuned_yaml(recipe_path: Path, result: TuneResult, out: Path, block_nam
     return out
 
 
-def show_trial(trial: Trial) -> str:
+def trial_line(trial: Trial) -> str:
     """One line for the live progress log."""
     r = trial.result
     speed = f"{r.samples_per_sec:.1f} samples/s" if r and r.samples_per_sec else "-"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import pickle
-import re
 import shutil
 import statistics
 import time
@@ -21,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.tune.config import TuneConfig
+from lightning_accel.tune.server import run_trial, temporary_workdir
 from lightning_accel.tune.space import (
     Candidate,
     DataKnobs,
@@ -28,45 +29,22 @@ from lightning_accel.tune.space import (
     loader_candidates,
     precision_compile_candidates,
 )
-from lightning_accel.tune.trial import (
-    DATA_KNOBS,
-    TrialResult,
-    TrialSettings,
-    data_knob_holders,
-    run_trial,
-    temporary_workdir,
-)
+from lightning_accel.tune.trial import DATA_KNOBS, TrialResult, data_knob_holders
 
 log = logging.getLogger(__name__)
 
 RESERVE_S = 3.0  # kept back from the budget for the report
-# Trial wall times vary run to run: a trial estimated to just fit was started and then stopped at the budget
-# (a 4.0 s trial with 4 s left, seen on the tiny GPT recipe), which wastes what it ran.
+# Trial wall times vary from run to run: without a margin, a trial estimated to just fit is started and then
+# stopped at the budget, and all it ran is wasted.
 WALL_MARGIN = 1.1
-# The least a first compiled trial is expected to add: cold compiles took 12-33 s on the 2-core CI machine for our
-# recipes and over 10 s for a small test ConvNet, so "five eager trials" (4 s for that ConvNet) started one the
-# budget then stopped, leaving the batch stage no time.
+# The least a first compiled trial is expected to add: a cold compile costs seconds (tens on a small CPU host) no
+# matter how short the eager trials are, so an estimate scaled from them alone starts compile trials the budget
+# then stops, leaving the later stages no time.
 FIRST_COMPILE_S = 15.0
-# The least drop of a larger batch, against the best so far, that ends the batch stage: two runs of the untuned
-# recipe agreed within 0.4% and the next three spread by 40% on this VM, so one run of batch 64 at 0.91x batch
-# 32 ended the stage before batch 256, the fastest in other searches (1.22x instead of 1.65x the untuned recipe).
+# The least drop of a larger batch, against the best so far, that ends the batch stage. Two runs of the baseline
+# can agree by chance far more closely than the machine's real run-to-run spread, so the measured noise alone would
+# let one slow reading end the stage before the batch sizes that are fastest.
 BATCH_STOP_NOISE = 0.10
-
-
-def parse_budget(budget: str | float | int) -> float:
-    """Seconds from ``300``, ``"300"``, ``"90s"``, ``"5m"``, ``"1h"``, ``"1m30s"``."""
-    if isinstance(budget, (int, float)):
-        seconds = float(budget)
-    else:
-        text = budget.strip().lower()
-        parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text)
-        if not text or parts is None:
-            raise ValueError(f"budget {budget!r} is not a duration: use seconds (300) or e.g. '90s', '5m', '1h'")
-        h, m, s = (float(p) if p else 0.0 for p in parts.groups())
-        seconds = 3600 * h + 60 * m + s
-    if seconds <= 0:
-        raise ValueError(f"budget must be positive, got {budget!r}")
-    return seconds
 
 
 @dataclass
@@ -152,19 +130,13 @@ class Search:
         has_blocks: bool,
         budget_s: float,
         planned: Callable[[TrialResult], float | None],
-        settings: TrialSettings | None = None,
-        loss_tolerance: float = 0.05,
-        min_gain: float = 0.02,
-        keep_global_batch: bool = False,
-        max_batch: int | None = None,
+        config: TuneConfig | None = None,
         on_trial: Callable[[Trial], None] | None = None,
         workdir: Path | None = None,
     ) -> None:
         self.spec, self.data, self.accelerator, self.has_blocks = spec, data, accelerator, has_blocks
         self.budget_s, self.planned = budget_s, planned
-        self.settings = settings or TrialSettings()
-        self.loss_tolerance, self.min_gain = loss_tolerance, min_gain
-        self.keep_global_batch, self.max_batch = keep_global_batch, max_batch
+        self.config = config or TuneConfig()
         self.on_trial = on_trial or (lambda trial: None)
         self.workdir = workdir or temporary_workdir()
         self.trials: list[Trial] = []
@@ -175,7 +147,8 @@ class Search:
         self.noise = 0.0  # relative difference of two runs of the baseline: smaller gains are not trusted
 
     # -- budget -------------------------------------------------------------------------------------
-    def left(self) -> float:
+    def seconds_left(self) -> float:
+        """Budget seconds a trial may still use (the report's reserve kept back)."""
         return self.budget_s - (time.perf_counter() - self.start) - RESERVE_S
 
     def estimate(self, candidate: Candidate) -> float:
@@ -201,13 +174,13 @@ class Search:
     def measure(self, stage: str, candidate: Candidate, keep_s: float = 0.0) -> Trial:
         """Run ``candidate`` unless the budget, less ``keep_s`` held for later stages, cannot finish it."""
         trial = Trial(stage, candidate)
-        need, left = self.estimate(candidate), self.left() - keep_s
+        need, left = self.estimate(candidate), self.seconds_left() - keep_s
         if left <= 0 or need > left:
             kept = f" ({keep_s:.0f}s more kept for the later stages)" if keep_s else ""
             trial.verdict = f"skipped: {max(left, 0):.0f}s of budget to spend{kept}, a trial like it takes ~{need:.0f}s"
             self.trials.append(trial)
             return trial
-        spec = {**self.spec, "candidate": candidate.as_dict(), "settings": vars(self.settings)}
+        spec = {**self.spec, "candidate": candidate.as_dict(), "settings": vars(self.config.settings)}
         folder = self.workdir / f"trial_{len(self.trials):02d}"
         trial.result = run_trial(spec, timeout_s=left, workdir=folder)
         shutil.rmtree(folder / "root", ignore_errors=True)
@@ -229,7 +202,7 @@ class Search:
             return samples_per_sec
         return self.planned_samples / (compile_s + self.planned_samples / samples_per_sec)
 
-    def guard(self, trial: Trial) -> str | None:
+    def numerics_rejection(self, trial: Trial) -> str | None:
         """Why the candidate's numerics are rejected against the fp32 eager reference (``None``: accepted)."""
         assert trial.result is not None
         losses = trial.result.losses
@@ -247,10 +220,10 @@ class Search:
         n = min(len(losses), len(ref.result.losses))
         mine, theirs = statistics.fmean(losses[:n]), statistics.fmean(ref.result.losses[:n])
         drift = abs(mine - theirs) / max(abs(theirs), 1e-12)
-        if drift > self.loss_tolerance:
+        if drift > self.config.loss_tolerance:
             return (
                 f"rejected: mean loss of the first {n} batches {mine:.4g} vs fp32 eager {theirs:.4g} "
-                f"(drift {drift:.1%} > {self.loss_tolerance:.0%})"
+                f"(drift {drift:.1%} > {self.config.loss_tolerance:.0%})"
             )
         return None
 
@@ -271,7 +244,7 @@ class Search:
                 if name == "batch":
                     break  # a larger batch will not fit either
                 continue
-            rejected = self.guard(trial)
+            rejected = self.numerics_rejection(trial)
             if not rejected and self.is_close_call(trial, best):
                 self.rerun(trial)  # inside the run-to-run noise: one more run of each before deciding
                 self.rerun(best)
@@ -294,7 +267,7 @@ class Search:
         return best
 
     def faster(self, trial: Trial, than: Trial) -> bool:
-        return (trial.amortized_sps or 0) > (than.amortized_sps or 0) * (1 + self.min_gain)
+        return (trial.amortized_sps or 0) > (than.amortized_sps or 0) * (1 + self.config.min_gain)
 
     def is_close_call(self, trial: Trial, best: Trial) -> bool:
         """Within the measured noise of the best so far, and the budget allows a run of each again."""
@@ -302,7 +275,7 @@ class Search:
             return False
         ratio = trial.amortized_sps / best.amortized_sps
         cost = self.estimate(trial.candidate) + self.estimate(best.candidate)
-        return abs(ratio - 1) <= self.noise and ratio > 1 - self.noise / 2 and self.left() > 2 * cost
+        return abs(ratio - 1) <= self.noise and ratio > 1 - self.noise / 2 and self.seconds_left() > 2 * cost
 
     def near_memory_limit(self, trial: Trial) -> bool:
         r = trial.result
@@ -313,7 +286,7 @@ class Search:
 
     def measure_noise(self, baseline: Trial) -> None:
         """Run the baseline a second time: how far two runs of the same settings differ on this machine."""
-        if self.left() < 8 * self.estimate(baseline.candidate):
+        if self.seconds_left() < 8 * self.estimate(baseline.candidate):
             self.notes.append("the budget is too short to measure run-to-run noise: changes need min_gain only")
             return
         self.rerun(baseline)
@@ -327,9 +300,9 @@ class Search:
 
     def rerun(self, trial: Trial) -> None:
         """Measure ``trial``'s candidate once more; its samples/s becomes the mean of its runs."""
-        spec = {**self.spec, "candidate": trial.candidate.as_dict(), "settings": vars(self.settings)}
+        spec = {**self.spec, "candidate": trial.candidate.as_dict(), "settings": vars(self.config.settings)}
         folder = self.workdir / f"rerun_{len(trial.repeats)}_{trial.stage}"
-        r = run_trial(spec, timeout_s=self.left(), workdir=folder)
+        r = run_trial(spec, timeout_s=self.seconds_left(), workdir=folder)
         shutil.rmtree(folder / "root", ignore_errors=True)
         if r.error is None and r.samples_per_sec:
             trial.repeats.append(r.samples_per_sec)
@@ -341,7 +314,7 @@ class Search:
         allows, so one noisy run cannot decide; each one's samples/s becomes the mean of its runs."""
         for round_ in range(rounds):
             for trial in (best, baseline):
-                if self.left() < self.estimate(trial.candidate):
+                if self.seconds_left() < self.estimate(trial.candidate):
                     if round_ == 0:
                         self.notes.append("no budget left to confirm the choice: it rests on one run of each")
                     return
@@ -358,14 +331,15 @@ class Search:
             fastest = max(accepted, key=lambda t: t.amortized_sps or 0.0)
             if fastest is best or not self.faster(fastest, best):
                 return best
-            if len(fastest.repeats) < len(best.repeats) and self.left() >= self.estimate(fastest.candidate):
+            if len(fastest.repeats) < len(best.repeats) and self.seconds_left() >= self.estimate(fastest.candidate):
                 runs = len(fastest.repeats)
                 self.rerun(fastest)
                 if len(fastest.repeats) > runs:
                     continue
             self.notes.append(
                 f"{fastest.candidate.label()} ended faster than {best.candidate.label()} by more than "
-                f"{self.min_gain:.0%} over all runs ({len(fastest.repeats)} vs {len(best.repeats)}): chosen instead"
+                f"{self.config.min_gain:.0%} over all runs ({len(fastest.repeats)} vs {len(best.repeats)}): "
+                "chosen instead"
             )
             best.verdict = (
                 f"not chosen: {best.amortized_sps or 0:.1f} samples/s over {len(best.repeats)} runs, "
@@ -397,9 +371,9 @@ class Search:
         best = self.stage("precision x compile", options, best, keep_trials=5)
         if self.data.has("batch_size"):
             base_batch = int(self.data.values["batch_size"])
-            limit = self.max_batch or base_batch * 16
+            limit = self.config.max_batch or base_batch * 16
             accumulate = int(self.spec.get("recipe_accumulate") or 1)
-            larger = batch_candidates(best.candidate, base_batch, self.keep_global_batch, limit, accumulate)
+            larger = batch_candidates(best.candidate, base_batch, self.config.keep_global_batch, limit, accumulate)
             best = self.stage("batch", larger, best, keep_trials=2)
         else:
             self.notes.append(

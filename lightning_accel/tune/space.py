@@ -8,12 +8,13 @@ the best candidate so far, so its cost grows with the number of options, not the
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from lightning_accel.host import usable_cores
 
 CompileScope = Literal["off", "blocks", "module"]
 
@@ -71,10 +72,6 @@ class DataKnobs:
 
     def has(self, name: str) -> bool:
         return name in self.values
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def precisions_for(accelerator: str) -> list[str]:

@@ -1,32 +1,34 @@
-"""One tuning trial: the user's recipe (or pickled module and data) with one :class:`Candidate`, in a fresh process.
+"""One tuning trial, the process side: the user's recipe (or pickled module and data) with one :class:`Candidate`.
 
-A fresh process per trial (forked from a server that has only imported torch and Lightning, or a new
-interpreter for multi-device runs) keeps compile caches, allocator state and memory peaks from leaking
-from one trial into the next; each trial also gets an empty inductor cache folder. The child trains
-``warmup`` batches (compilation, allocator and worker start-up), then measures for at least ``measure_s``
-seconds, records the losses of the first batches for the numerics guard, and writes one JSON result.
-The parent (:func:`run_trial`) bounds it by a timeout.
+The trial process (started by ``server.py``) trains ``warmup`` batches (compilation, allocator and worker
+start-up), then measures for at least ``measure_s`` seconds, records the losses of the first batches for the
+numerics guard, and writes one JSON :class:`TrialResult`.
 
     python -m lightning_accel.tune SPEC.json RESULT.json      (see __main__.py)
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import math
-import os
 import pickle
-import select
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
+import torch
+from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch.callbacks import Checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_accel.compile import TorchCompile
+from lightning_accel.monitor.batches import default_batch_size
+from lightning_accel.monitor.peaks import peak_flops, precision_dtype
+from lightning_accel.recipe import AccelTrainer, build_cli
+from lightning_accel.strategies.fsdp import find_block_classes
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +53,15 @@ class TrialSettings:
     """How long a trial trains: ``warmup`` batches unmeasured, then ``measure_s`` seconds (batch bounds apply)."""
 
     warmup: int = 5
+    """Unmeasured batches first: compilation, allocator and loader-worker start-up."""
     measure_s: float = 3.0
+    """Measured seconds per trial (at least ``min_batches``, at most ``max_batches`` batches)."""
     min_batches: int = 8
+    """Fewest measured batches, however long they take."""
     max_batches: int = 400
+    """Most measured batches, however short they are."""
     loss_batches: int = 8
+    """First batches whose losses the numerics guard compares with the fp32 eager reference's."""
 
 
 @dataclass
@@ -78,69 +85,59 @@ class TrialResult:
     oom: bool = False
 
 
-def _probe_class() -> type:
-    import psutil
-    import torch
-    from lightning.pytorch import Callback
-    from torch.utils.flop_counter import FlopCounterMode
+class TrialProbe(Callback):
+    """Times the measured batches, keeps the first losses, counts FLOPs of the first batch, samples memory."""
 
-    from lightning_accel.monitor.batches import default_batch_size
+    def __init__(self, settings: TrialSettings, count_flops: bool) -> None:
+        self.s, self.count_flops = settings, count_flops
+        self.batches, self.samples, self.losses = 0, 0, []
+        self.start: float | None = None
+        self.elapsed: float | None = None
+        self.flops: float | None = None
+        self.peak_rss, self._counter, self._process = 0, None, psutil.Process()
+        self.batch_size: int | None = None
 
-    class TrialProbe(Callback):
-        """Times the measured batches, keeps the first losses, counts FLOPs of the first batch, samples memory."""
+    def _sync(self, pl_module: Any) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
 
-        def __init__(self, settings: TrialSettings, count_flops: bool) -> None:
-            self.s, self.count_flops = settings, count_flops
-            self.batches, self.samples, self.losses = 0, 0, []
-            self.start: float | None = None
-            self.elapsed: float | None = None
-            self.flops: float | None = None
-            self.peak_rss, self._counter, self._process = 0, None, psutil.Process()
-            self.batch_size: int | None = None
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
 
-        def _sync(self, pl_module: Any) -> None:
-            if pl_module.device.type == "cuda":
-                torch.cuda.synchronize(pl_module.device)
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.batches == 0 and self.count_flops:
+            self._counter = FlopCounterMode(display=False)
+            self._counter.__enter__()
+        if self.batches == self.s.warmup:
+            self._sync(pl_module)
+            self.start = time.perf_counter()
 
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            if pl_module.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(pl_module.device)
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if self.batches == 0 and self.count_flops:
-                self._counter = FlopCounterMode(display=False)
-                self._counter.__enter__()
-            if self.batches == self.s.warmup:
-                self._sync(pl_module)
-                self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if self._counter is not None:
-                self._counter.__exit__(None, None, None)
-                self.flops, self._counter = float(self._counter.get_total_flops()) or None, None
-            if self.batch_size is None:
-                self.batch_size = default_batch_size(batch)
-            if len(self.losses) < self.s.loss_batches:
-                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-                self.losses.append(float(loss.detach()) if loss is not None else math.nan)
-            self.batches += 1
-            self.peak_rss = max(self.peak_rss, self._process.memory_info().rss)
-            if self.start is None:
-                return
-            self.samples += default_batch_size(batch)
-            measured = self.batches - self.s.warmup
-            done = measured >= self.s.min_batches and (
-                time.perf_counter() - self.start >= self.s.measure_s or measured >= self.s.max_batches
-            )
-            # Under DDP every rank must stop at the same batch: any rank's clock decides for all.
-            if trainer.world_size > 1:
-                done = trainer.strategy.reduce_boolean_decision(done, all=False)
-            if done:
-                self._sync(pl_module)
-                self.elapsed = time.perf_counter() - self.start
-                trainer.should_stop = True
-
-    return TrialProbe
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.flops, self._counter = float(self._counter.get_total_flops()) or None, None
+        if self.batch_size is None:
+            self.batch_size = default_batch_size(batch)
+        if len(self.losses) < self.s.loss_batches:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.losses.append(float(loss.detach()) if loss is not None else math.nan)
+        self.batches += 1
+        self.peak_rss = max(self.peak_rss, self._process.memory_info().rss)
+        if self.start is None:
+            return
+        self.samples += default_batch_size(batch)
+        measured = self.batches - self.s.warmup
+        done = measured >= self.s.min_batches and (
+            time.perf_counter() - self.start >= self.s.measure_s or measured >= self.s.max_batches
+        )
+        # Under DDP every rank must stop at the same batch: any rank's clock decides for all.
+        if trainer.world_size > 1:
+            done = trainer.strategy.reduce_boolean_decision(done, all=False)
+        if done:
+            self._sync(pl_module)
+            self.elapsed = time.perf_counter() - self.start
+            trainer.should_stop = True
 
 
 def _build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -162,24 +159,18 @@ def _build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     if cand.get("accumulate_grad_batches"):
         trainer_overrides["accumulate_grad_batches"] = cand["accumulate_grad_batches"]
     if spec.get("config"):
-        from lightning_accel.cli import build_cli
-
         args = ["--config", spec["config"], *spec.get("overrides", [])]
         for key, value in trainer_overrides.items():
             args += [f"--trainer.{key}", json.dumps(value) if isinstance(value, bool) else str(value)]
         cli = build_cli(args, run=False)
         return cli.trainer, cli.model, cli.datamodule
-    from lightning.pytorch import seed_everything
-
-    from lightning_accel.cli import AccelTrainer
-
     with open(spec["objects"], "rb") as f:
         model, datamodule, trainer_kwargs = pickle.load(f)
     seed_everything(spec.get("seed", 0), workers=True)
     return AccelTrainer(**{**trainer_kwargs, **trainer_overrides}), model, datamodule
 
 
-def child(spec_path: str, out_path: str) -> None:
+def run_trial_process(spec_path: str, out_path: str) -> None:
     """Entry of the trial process: build, apply the candidate, train, write the :class:`TrialResult`."""
     logging.basicConfig(level=logging.WARNING)
     spec = json.loads(Path(spec_path).read_text())
@@ -188,8 +179,6 @@ def child(spec_path: str, out_path: str) -> None:
     try:
         rank = _run(spec, result)
     except Exception as err:  # reported as the trial's verdict, with the type, not a traceback
-        import torch
-
         result.oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
         result.error = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
     result.wall_s = time.perf_counter() - started
@@ -199,13 +188,6 @@ def child(spec_path: str, out_path: str) -> None:
 
 def _run(spec: dict[str, Any], result: TrialResult) -> int:
     """Train the trial into ``result``; returns the global rank (only rank 0 writes the result)."""
-    import torch
-    from lightning.pytorch.callbacks import Checkpoint
-
-    from lightning_accel.compile import TorchCompile
-    from lightning_accel.monitor.peaks import peak_flops, precision_dtype
-    from lightning_accel.strategies.fsdp import find_block_classes
-
     cand, settings = spec["candidate"], TrialSettings(**spec["settings"])
     trainer, model, datamodule = _build(spec)
     loader_owner = datamodule if datamodule is not None else model  # a module may define train_dataloader()
@@ -224,7 +206,7 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
             modules = [name for name, m in model.named_modules() if name and isinstance(m, blocks)]
         trainer.callbacks.append(TorchCompile(modules=modules, mode=cand.get("compile_mode"), fallback=False))
     compiling = cand.get("compile", "off") != "off" or any(isinstance(c, TorchCompile) for c in trainer.callbacks)
-    probe = _probe_class()(settings, count_flops=not compiling)
+    probe = TrialProbe(settings, count_flops=not compiling)
     trainer.callbacks.append(probe)
     trainer.fit(model, datamodule=datamodule)
     if probe.elapsed is None:
@@ -250,176 +232,6 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
         result.peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
         result.memory_total_mb = torch.cuda.get_device_properties(device).total_memory / 2**20
     else:
-        import psutil
-
         result.peak_memory_mb = probe.peak_rss / 2**20
         result.memory_total_mb = psutil.virtual_memory().total / 2**20
     return trainer.global_rank
-
-
-class _ForkServer:
-    """A Python process that has imported torch and Lightning once and forks one child per trial.
-
-    Each child is a fresh process whose only history is those imports, started in a fraction of a second
-    instead of the seconds a new interpreter takes to import them. Requests are JSON lines on its stdin;
-    it answers ``PID <pid>`` and then ``EXIT <code>`` per trial. (multiprocessing's forkserver would import
-    the caller's ``__main__`` again, which breaks scripts without an ``if __name__ == "__main__"`` guard.)
-    """
-
-    def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_accel.tune", "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        self._buffer = b""
-        atexit.register(self.close)
-        if self._line(120.0) != "READY":  # imported torch and Lightning: trials start from here
-            self.proc.kill()
-            raise RuntimeError("tune's trial server did not start within 120 s")
-
-    def _line(self, timeout_s: float | None) -> str | None:
-        """The server's next answer line; ``None`` if none came within ``timeout_s``."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while b"\n" not in self._buffer:
-            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            ready, _, _ = select.select([fd], [], [], wait)
-            if not ready:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise RuntimeError(f"tune's trial server exited (code {self.proc.poll()})")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.decode()
-
-    def run(self, request: dict[str, str], timeout_s: float) -> int | None:
-        """The trial's exit status (negative: killed by that signal), or ``None`` when it ran out of time."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
-        pid = int((self._line(60.0) or "PID -1").split()[1])
-        if pid < 0:
-            raise RuntimeError("tune's trial server did not start the trial within 60 s")
-        answer = self._line(max(timeout_s, 1.0))
-        if answer is not None:
-            return int(answer.split()[1])
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # it ended just now
-        self._line(None)  # the server reaps it and answers
-        return None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-
-
-def serve() -> None:
-    """The fork server's loop (``python -m lightning_accel.tune --serve``)."""
-    import lightning.pytorch  # noqa: F401  (what every trial would import first)
-
-    import lightning_accel.cli  # noqa: F401
-
-    print("READY", flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:  # the trial
-            fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = request["cache"]
-            code = 0
-            try:
-                child(request["spec"], request["out"])
-            except BaseException:
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        print(f"PID {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(f"EXIT {os.waitstatus_to_exitcode(status)}", flush=True)
-
-
-_SERVER: _ForkServer | None = None
-
-
-def _fork_server() -> _ForkServer:
-    global _SERVER
-    if _SERVER is None or _SERVER.proc.poll() is not None:
-        _SERVER = _ForkServer()
-    return _SERVER
-
-
-def _result_or_reason(out_path: Path, returncode: int | None, tail: str, wall: float) -> TrialResult:
-    if out_path.exists():
-        result = TrialResult(**json.loads(out_path.read_text()))
-        result.wall_s = wall
-        return result
-    killed = returncode in (-9, 137)
-    reason = "killed (out of memory?)" if killed else f"exit code {returncode}: {tail[-400:]}"
-    return TrialResult(error=reason, oom=killed, wall_s=wall)
-
-
-def run_trial(spec: dict[str, Any], timeout_s: float, workdir: Path) -> TrialResult:
-    """Run one trial in a fresh process, killed after ``timeout_s``; never raises for a failed trial.
-
-    ``spec["fork"]`` (default true): fork it from the server that has imported torch and Lightning (fast);
-    false: a new interpreter, needed when the trial starts processes of its own by re-running its command
-    line (multi-device runs).
-    """
-    fork = bool(spec.get("fork", True))
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec_path, out_path, log_path = workdir / "spec.json", workdir / "result.json", workdir / "trial.log"
-    spec = {**spec, "root": str(workdir / "root")}
-    spec_path.write_text(json.dumps(spec))
-    out_path.unlink(missing_ok=True)  # a result left by an earlier trial in this folder is not this one's
-    started = time.perf_counter()
-    if fork:
-        request = {"spec": str(spec_path), "out": str(out_path), "log": str(log_path)}
-        try:
-            server = _fork_server()  # waits until it is ready
-            # Starting the server (importing torch and Lightning, once per search) is not this trial's time: in
-            # its wall time it made the first trial look twice as long, and the budget skip trials that fit.
-            started = time.perf_counter()
-            code = server.run({**request, "cache": str(workdir / "inductor_cache")}, timeout_s)
-        except (RuntimeError, OSError, ValueError) as err:  # the server itself failed: report, never raise
-            return TrialResult(error=f"trial server: {err}", wall_s=time.perf_counter() - started)
-        if code is None:
-            return TrialResult(error=f"timeout: stopped after {timeout_s:.0f}s (the budget left)", wall_s=timeout_s)
-        log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        tail = " | ".join(log_text.strip().splitlines()[-3:])
-        return _result_or_reason(out_path, code, tail, time.perf_counter() - started)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),  # the caller's modules import in the trial
-        # A cold compile cache per trial: compile time is measured as a first run of the recipe would pay it.
-        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor_cache"),
-    }
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lightning_accel.tune", str(spec_path), str(out_path)],
-            capture_output=True,
-            text=True,
-            timeout=max(timeout_s, 1.0),
-            env=env,
-        )
-    except subprocess.TimeoutExpired:
-        return TrialResult(error=f"timeout: stopped after {timeout_s:.0f}s (the budget left)", wall_s=timeout_s)
-    log_path.write_text(proc.stdout + proc.stderr)
-    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-    return _result_or_reason(out_path, proc.returncode, tail, time.perf_counter() - started)
-
-
-def temporary_workdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="lightning_accel_tune_"))

@@ -1,0 +1,51 @@
+"""Which train loaders a checkpoint can resume exactly, and the warnings that name the fix for the others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.utilities import rank_zero_warn
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+def is_stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def has_wrapped_stateful_sampler(loader: Any) -> bool:
+    """A StatefulDataLoader whose own sampler Lightning wrapped for DDP (its order is lost on resume)."""
+    if not isinstance(loader, StatefulDataLoader):
+        return False
+    samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    return any(isinstance(s, DistributedSamplerWrapper) for s in samplers)
+
+
+def flat_loaders(loaders: Any) -> list[Any]:
+    """``trainer.train_dataloader`` (one loader, a list or a dict of them) as a flat list."""
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    return [loaders]
+
+
+def warn_if_not_resumable(loaders: Any) -> None:
+    for loader in flat_loaders(loaders):
+        if loader is None:
+            continue
+        if has_wrapped_stateful_sampler(loader):
+            rank_zero_warn(
+                "PreemptionCheckpoint: under DDP, Lightning wrapped this StatefulDataLoader's own sampler in a "
+                "DistributedSamplerWrapper, which reshuffles from the global RNG at every epoch and keeps no "
+                "state, so the order after a resume differs from the uninterrupted run's. Build the loader in "
+                "train_dataloader() with `sampler=StatefulDistributedSampler(dataset, shuffle=True, seed=...)` "
+                "(from torchdata.stateful_dataloader.sampler); Lightning keeps a distributed sampler as it is."
+            )
+        if not is_stateful(loader):
+            rank_zero_warn(
+                f"PreemptionCheckpoint: the train loader ({type(loader).__name__}) has no state_dict, so a "
+                "resume from a mid-epoch checkpoint replays or skips samples and is not exact. Use "
+                "`from torchdata.stateful_dataloader import StatefulDataLoader` (same arguments as "
+                "DataLoader) or lightning_accel.ResumableDataLoader."
+            )

@@ -1,0 +1,46 @@
+"""Capture and restore every random generator a training step draws from (Python, NumPy, torch, CUDA)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+RNGState = dict[str, Any]
+
+
+def capture_rng() -> RNGState:
+    """This process's generator states, as tensors and plain values (checkpoints load with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    state: RNGState = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: RNGState) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states() -> list[RNGState]:
+    """Every rank's generator states, in rank order (a collective: every rank must call it)."""
+    state = capture_rng()
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def state_for_rank(states: list[RNGState], rank: int) -> RNGState:
+    """The saved state of ``rank`` (rank 0's when the checkpoint was written by fewer ranks)."""
+    return states[rank] if rank < len(states) else states[0]

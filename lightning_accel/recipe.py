@@ -1,0 +1,78 @@
+"""Recipes: the Trainer and LightningCLI that read them (``precision: auto-mixed``, ``--ckpt_path auto``).
+
+Everything that builds a run from a recipe imports this module: the ``lightning-accel`` commands (``cli.py``),
+``tune``'s trials and the launchers' workers (``launch/``). It never imports those.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import ParallelStrategy
+
+from lightning_accel._compat import PrecisionInput
+from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.precision import auto_precision
+from lightning_accel.strategies import check_strategy_name, init_restart_safe_process_group
+
+log = logging.getLogger(__name__)
+
+
+class AccelTrainer(Trainer):
+    """``Trainer`` that also accepts ``precision="auto-mixed"`` (resolved by :func:`auto_precision`).
+
+    Everything else is passed to :class:`lightning.pytorch.Trainer` unchanged.
+    """
+
+    def __init__(
+        self, *args: Any, precision: PrecisionInput | Literal["auto-mixed"] | None = None, **kwargs: Any
+    ) -> None:
+        if precision is not None:  # "auto-mixed" is resolved; an explicit choice is checked against the hardware
+            precision = auto_precision(precision, accelerator=str(kwargs.get("accelerator", "auto")))
+        if isinstance(kwargs.get("strategy"), str):
+            check_strategy_name(kwargs["strategy"])
+        super().__init__(*args, precision=precision, **kwargs)
+
+
+class AccelCLI(LightningCLI):
+    """LightningCLI whose ``fit --ckpt_path auto`` resumes from the newest valid checkpoint."""
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except ValueError as err:  # a bad precision/strategy value: report it like any other config error
+            self.parser.error(f"invalid trainer configuration: {err}")
+
+    def before_fit(self) -> None:
+        if isinstance(self.trainer.strategy, ParallelStrategy):
+            # stock strategies too: a group that survives torchrun restarts
+            init_restart_safe_process_group(self.trainer.strategy)
+        cfg = self.config[self.subcommand]
+        if cfg.get("ckpt_path") != "auto":
+            return
+        cb = next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
+        if cb is None:
+            self.parser.error("--ckpt_path auto needs a PreemptionCheckpoint callback (it names the folder to search)")
+        found = find_resume_checkpoint(cb.dirpath)
+        log.info("ckpt_path=auto: %s", f"resuming from {found}" if found else "no valid checkpoint, starting fresh")
+        cfg["ckpt_path"] = found
+        self.config_init[self.subcommand]["ckpt_path"] = found
+
+
+def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[AccelCLI] | None = None) -> AccelCLI:
+    """Parse ``args`` (default: ``sys.argv``), build the objects and run the subcommand (``run=False``: only build;
+    ``args`` then has no subcommand). ``cli_class``: a subclass of :class:`AccelCLI` (Ray's workers use one)."""
+    return (cli_class or AccelCLI)(
+        LightningModule,
+        LightningDataModule,
+        trainer_class=AccelTrainer,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+        auto_configure_optimizers=False,
+    )

@@ -1,0 +1,242 @@
+"""Checkpoint promises at the edges: full disks, corrupted newest files, missing manifests, shared
+folders, signal handler chaining, threads, and loaders that cannot resume."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.checkpoint import (
+    AsyncAtomicCheckpointIO,
+    Preempted,
+    PreemptionCheckpoint,
+    atomic_save,
+    find_resume_checkpoint,
+    verify,
+)
+from lightning_accel.checkpoint.durable import manifest_path
+from tests.conftest import tiny_trainer_kwargs
+
+
+class Wide(LightningModule):
+    """A model defined here: BatchNorm and Dropout, 1.5 MB of weights (more than the tmpfs below holds)."""
+
+    def __init__(self, width: int = 600) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, width),
+            nn.BatchNorm1d(width),
+            nn.Dropout(0.2),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, 2),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def loader(n: int = 256, **kwargs) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 2, (n,), generator=g)), batch_size=16, **kwargs
+    )
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs: a real full disk (needs root, as on CI; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
+        pytest.skip("cannot mount a tmpfs here (needs root): the full-disk case is not exercised")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_full_disk_raises_enospc_naming_the_file_not_torch_internals(small_disk):
+    with pytest.raises(OSError) as err:
+        atomic_save({"w": torch.zeros(600_000)}, small_disk / "big.ckpt")
+    assert err.value.errno == errno.ENOSPC
+    assert "big.ckpt" in str(err.value) and "No space left on device" in str(err.value) and "MB free" in str(err.value)
+    assert "unexpected pos" not in str(err.value)
+    assert list(small_disk.iterdir()) == []  # no torn file, no temp file left
+
+
+def test_async_write_failure_stops_training_at_the_next_batch(small_disk, tmp_path):
+    cb = PreemptionCheckpoint(small_disk, every_n_steps=2, async_save=True)
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=40, callbacks=[cb]))
+    with pytest.raises(OSError) as err:
+        trainer.fit(Wide(), train_dataloaders=loader())
+    assert err.value.errno == errno.ENOSPC
+    assert trainer.global_step <= 4  # the failed write of step 2 surfaced at most one save later, not at teardown
+    assert isinstance(trainer.strategy.checkpoint_io, AsyncAtomicCheckpointIO)
+
+
+def _save_steps(folder: Path, steps, run_id: str = "run-a") -> None:
+    for step in steps:
+        path = folder / f"step={step:08d}.ckpt"
+        atomic_save(
+            {"global_step": step, "w": torch.full((64,), float(step))}, path, {"global_step": step, "run_id": run_id}
+        )
+
+
+def test_keep_last_never_deletes_good_files_because_of_a_corrupt_newest_one(tmp_path):
+    _save_steps(tmp_path, (2, 4, 6))
+    newest = tmp_path / "step=00000006.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, wrong content
+    newest.write_bytes(bytes(data))
+    cb = PreemptionCheckpoint(tmp_path, keep_last=2)
+    cb.run_id = "run-a"
+    cb._prune()
+    # 6 is corrupt, so the two valid newest are 4 and 2: nothing may be deleted
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "step=00000002.ckpt",
+        "step=00000004.ckpt",
+        "step=00000006.ckpt",
+    ]
+    assert find_resume_checkpoint(tmp_path) == str(tmp_path / "step=00000004.ckpt")
+
+
+def test_prune_leaves_another_runs_files_in_a_shared_folder_alone(tmp_path):
+    _save_steps(tmp_path, (1, 2, 3), run_id="theirs")
+    _save_steps(tmp_path, (10, 20, 30), run_id="ours")
+    cb = PreemptionCheckpoint(tmp_path, keep_last=1)
+    cb.run_id = "ours"
+    cb._prune()
+    names = sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    assert names == ["step=00000001.ckpt", "step=00000002.ckpt", "step=00000003.ckpt", "step=00000030.ckpt"]
+
+
+def test_missing_or_unreadable_manifest_is_ranked_by_name_and_warned(tmp_path):
+    _save_steps(tmp_path, (5, 10, 15))
+    manifest_path(tmp_path / "step=00000015.ckpt").unlink()
+    manifest_path(tmp_path / "step=00000010.ckpt").write_text("{not json")
+    with pytest.warns(
+        UserWarning, match=r"step=00000015.ckpt although it has no manifest; the zip container and its CRCs are intact"
+    ):
+        assert find_resume_checkpoint(tmp_path) == str(tmp_path / "step=00000015.ckpt")
+    (tmp_path / "step=00000015.ckpt").unlink()
+    with pytest.warns(UserWarning, match="unreadable manifest"):
+        assert find_resume_checkpoint(tmp_path) == str(tmp_path / "step=00000010.ckpt")
+    verdict = verify(tmp_path / "step=00000010.ckpt")
+    assert verdict and verdict.checked_by == "zip"
+
+
+class SignalAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_handler_chains_the_users_own_and_fit_leaves_the_original_in_place(tmp_path):
+    calls = []
+
+    def users_handler(signum, frame):
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, users_handler)
+    try:
+        cb = PreemptionCheckpoint(tmp_path / "ck")
+        trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=20, callbacks=[SignalAt(3), cb]))
+        with pytest.raises(Preempted) as stopped:
+            trainer.fit(Wide(width=16), train_dataloaders=loader())
+        assert stopped.value.code == 75 and stopped.value.checkpoint == tmp_path / "ck" / "step=00000004.ckpt"
+        assert calls == [signal.SIGTERM]  # ours set the flag and called the user's
+        assert signal.getsignal(signal.SIGTERM) is users_handler  # not ours, not Lightning's stale one
+        # A second, normal fit: afterwards the user's handler is still the one in place.
+        Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=2, callbacks=[PreemptionCheckpoint(tmp_path / "ck2")])).fit(
+            Wide(width=16), train_dataloaders=loader()
+        )
+        assert signal.getsignal(signal.SIGTERM) is users_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_fit_off_the_main_thread_warns_and_still_saves_periodically(tmp_path):
+    errors, warned = [], []
+
+    def run():
+        import warnings
+
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            try:
+                cb = PreemptionCheckpoint(tmp_path / "ck", every_n_steps=2)
+                Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, callbacks=[cb])).fit(
+                    Wide(width=16), train_dataloaders=loader()
+                )
+            except BaseException as err:
+                errors.append(err)
+        warned.extend(str(w.message) for w in record)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(120)
+    assert not errors
+    assert any("off the main thread" in w for w in warned)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("*.ckpt")) == ["step=00000002.ckpt", "step=00000004.ckpt"]
+
+
+def test_plain_dataloader_gets_a_warning_naming_what_to_switch_to(tmp_path):
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=2, callbacks=[PreemptionCheckpoint(tmp_path / "ck")]))
+    with pytest.warns(UserWarning, match=r"from torchdata.stateful_dataloader import StatefulDataLoader"):
+        trainer.fit(Wide(width=16), train_dataloaders=loader(shuffle=True))
+
+
+def test_periodic_save_after_resume_inside_accumulation_does_not_overwrite(tmp_path):
+    """Resumed at step 4 with accumulation 2: the next micro-batch must not rewrite step=4."""
+    ck = tmp_path / "ck"
+    kwargs = dict(accumulate_grad_batches=2, callbacks=None)
+    first = PreemptionCheckpoint(ck, every_n_steps=4, keep_last=None)
+    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, **{**kwargs, "callbacks": [first]})).fit(
+        Wide(width=16), train_dataloaders=loader()
+    )
+    saved = ck / "step=00000004.ckpt"
+    before = json.loads(manifest_path(saved).read_text())["xxh3_64"]
+    second = PreemptionCheckpoint(ck, every_n_steps=4, keep_last=None)
+    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=6, **{**kwargs, "callbacks": [second]})).fit(
+        Wide(width=16), train_dataloaders=loader(), ckpt_path=str(saved)
+    )
+    assert json.loads(manifest_path(saved).read_text())["xxh3_64"] == before
+    assert second.saved == []  # step 8 was never reached
+
+
+def test_stateful_loader_whose_sampler_lightning_wrapped_is_flagged():
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import BatchSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
+
+    from lightning_accel.checkpoint.loader_state import has_wrapped_stateful_sampler
+
+    data = list(range(16))
+    # what Lightning builds under DDP from StatefulDataLoader(data, shuffle=True)
+    wrapped = BatchSampler(DistributedSamplerWrapper(RandomSampler(data), num_replicas=2, rank=0), 4, False)
+    assert has_wrapped_stateful_sampler(StatefulDataLoader(data, batch_sampler=wrapped))
+    # what the docs say to build instead, and what a single process uses
+    own = StatefulDistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
+    assert not has_wrapped_stateful_sampler(StatefulDataLoader(data, batch_size=4, sampler=own))
+    assert not has_wrapped_stateful_sampler(StatefulDataLoader(data, batch_size=4, shuffle=True))

@@ -1,0 +1,90 @@
+"""Sharded checkpoint folders (torch DCP under FSDP2): sealed with a manifest, found, pruned and resumed exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_accel.checkpoint import find_resume_checkpoint, list_checkpoints, verify
+from lightning_accel.checkpoint.durable import manifest_path
+from lightning_accel.checkpoint.sharded import seal_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dcp_folder(parent: Path, step: int) -> Path:
+    folder = parent / f"step={step:08d}.ckpt"
+    dcp.save({"w": torch.full((1000,), float(step))}, checkpoint_id=folder, no_dist=True)
+    torch.save({"global_step": step}, folder / "meta.pt")  # what Lightning's ModelParallelStrategy adds
+    return folder
+
+
+def test_a_sealed_folder_is_verified_file_by_file_and_found_for_resume(tmp_path):
+    old, new = dcp_folder(tmp_path, 5), dcp_folder(tmp_path, 10)
+    for folder, step in ((old, 5), (new, 10)):
+        manifest = seal_folder(folder, {"global_step": step, "run_id": "r"})
+        assert manifest["kind"] == "folder" and set(manifest["files"]) >= {".metadata", "meta.pt"}
+        assert all("xxh3_64" in e for e in manifest["files"].values())  # all small here: all checksummed
+    assert [p.name for p in list_checkpoints(tmp_path)] == [new.name, old.name]
+    assert verify(new) and find_resume_checkpoint(tmp_path) == str(new)
+    # a shard cut short, then an altered metadata file: each named, and resume falls back to the older folder
+    shard = next(p for p in new.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert "truncated" in verify(new).reason and shard.name in verify(new).reason
+    with pytest.warns(UserWarning, match="Skipping checkpoint .*step=00000010"):
+        assert find_resume_checkpoint(tmp_path) == str(old)
+    meta = old / "meta.pt"
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    meta.write_bytes(bytes(data))
+    assert "meta.pt: xxh3-64 checksum does not match" in verify(old).reason
+    assert verify(old, checksum=False)  # sizes only
+    # unsealed folders: an unfinished one (no DCP .metadata) is refused, a finished DCP one is used with a reason
+    unfinished = tmp_path / "step=00000020.ckpt"
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"x" * 100)
+    assert not verify(unfinished) and "neither a manifest" in verify(unfinished).reason
+    foreign = dcp_folder(tmp_path, 30)
+    assert verify(foreign).checked_by == "dcp" and not manifest_path(foreign).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_dcp_folders_resume_bitwise_on_two_ranks(tmp_path):
+    """accel_fsdp saving torch DCP folders: 10 steps, a fresh launch resumes at step 10 (mid-epoch) to 20,
+    and the weights equal a 20-step run's."""
+
+    def launch(out: Path, *extra: str) -> Path:
+        out.mkdir()
+        cmd = [sys.executable, str(ROOT / "tests/strategies/train_distributed.py"), "--strategy", "accel_fsdp_fp32"]
+        proc = subprocess.run([*cmd, "--out", str(out), *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return out
+
+    ckpts = tmp_path / "ckpt"
+    full = launch(tmp_path / "full", "--max-steps", "20")
+    launch(tmp_path / "first", "--max-steps", "10", "--sharded-checkpoints", str(ckpts))
+    folders = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
+    assert folders == ["step=00000005.ckpt", "step=00000010.ckpt"]
+    manifest = json.loads(manifest_path(ckpts / folders[-1]).read_text())
+    assert manifest["global_step"] == 10 and manifest["kind"] == "folder"
+    assert {".metadata", "meta.pt"} <= set(manifest["files"])  # DCP's index, Lightning's loop/callback state
+    assert find_resume_checkpoint(ckpts) == str(ckpts / "step=00000010.ckpt")
+    resumed = launch(tmp_path / "resumed", "--max-steps", "20", "--sharded-checkpoints", str(ckpts), "--resume")
+    for rank in (0, 1):
+        expected = torch.load(full / f"weights_rank{rank}.pt")
+        got = torch.load(resumed / f"weights_rank{rank}.pt")
+        assert all(torch.equal(got[k], v) for k, v in expected.items()), f"rank {rank}: resumed weights differ"
+    # keep_last=2 pruned the older folders, their manifests with them
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "step=00000015.ckpt",
+        "step=00000015.ckpt.manifest.json",
+        "step=00000020.ckpt",
+        "step=00000020.ckpt.manifest.json",
+    ]

@@ -1,0 +1,81 @@
+"""A run for the GoodputMonitor tests: writes the monitor's results as JSON.
+
+python tests/monitor/goodput_run.py --out DIR [--devices 2 --slow-rank 1] [--kill-at-step N] [--resume]
+
+``--kill-at-step`` SIGKILLs the process at the end of that step (no hook runs, as when a node dies);
+``--resume`` continues from the newest checkpoint in DIR/ckpt. ``--slow-rank`` makes one rank's training
+step 40 ms slower, the straggler the monitor must name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_accel as la
+from lightning_accel.testing import quiet_trainer_kwargs
+
+
+class SlowStep(BoringModel):
+    def __init__(self, slow_rank: int | None, step_s: float) -> None:
+        super().__init__()
+        self.slow_rank, self.step_s = slow_rank, step_s
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.step_s + (0.04 if self.global_rank == self.slow_rank else 0.0))
+        return super().training_step(batch, batch_idx)
+
+
+class KillAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--slow-rank", type=int, default=None)
+    parser.add_argument("--kill-at-step", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    seed_everything(0)
+    ckpt_dir = args.out / "ckpt"
+    monitor = la.GoodputMonitor(every_n_steps=5, progress_every_n_seconds=0.0, summary=False)
+    callbacks: list[Callback] = [monitor, la.PreemptionCheckpoint(dirpath=ckpt_dir, every_n_steps=5, keep_last=None)]
+    if args.kill_at_step is not None:
+        callbacks.append(KillAt(args.kill_at_step))
+    trainer = Trainer(
+        **quiet_trainer_kwargs(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy="ddp" if args.devices > 1 else "auto",
+            max_steps=args.steps,
+            limit_val_batches=0,
+            default_root_dir=str(args.out),
+            callbacks=callbacks,
+        )
+    )
+    model = SlowStep(args.slow_rank, step_s=0.01)
+    ckpt = la.find_resume_checkpoint(ckpt_dir) if args.resume else None
+    trainer.fit(model, ckpt_path=ckpt)
+    (args.out / f"results_rank{trainer.global_rank}.json").write_text(json.dumps(monitor.results))
+
+
+if __name__ == "__main__":
+    la.close_gloo_process_group_at_exit()
+    main()

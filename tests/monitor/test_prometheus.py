@@ -1,0 +1,111 @@
+"""The Prometheus exporter read back through a real Prometheus server, and the Grafana dashboard over its series."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_accel as la
+from lightning_accel.monitor import goodput, utilization
+from lightning_accel.monitor.exporter import series_name
+from tests.conftest import tiny_trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "docs/grafana/lightning_accel.json"
+EXPORTED = {series_name(k) for k in goodput.METRIC_KEYS + utilization.METRIC_KEYS}
+
+
+def dashboard_series() -> set[str]:
+    exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel["targets"]]
+    exprs += [v["query"] for v in json.loads(DASHBOARD.read_text())["templating"]["list"] if v["type"] == "query"]
+    return {name for expr in exprs for name in re.findall(r"\blightning_accel_\w+", expr)}
+
+
+def test_every_series_the_dashboard_queries_is_one_the_monitors_export():
+    queried = dashboard_series()
+    assert len(queried) >= 25
+    assert queried <= EXPORTED, f"the dashboard queries series nobody exports: {sorted(queried - EXPORTED)}"
+    # and the ledger is on it, bucket by bucket
+    assert {series_name(f"goodput/{b}_share") for b in ("data", "compute", "checkpoint", "other")} <= queried
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def query(prom: str, expr: str) -> list[dict]:
+    url = f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        body = json.loads(response.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="needs Debian's prometheus server; `make test` installs it (apt-get install prometheus)",
+)
+def test_metrics_read_back_from_a_real_prometheus_equal_the_callbacks(tmp_path):
+    exporter = la.PrometheusExporter(port=0)  # owned by the test: it serves the final values after fit
+    monitor = la.GoodputMonitor(every_n_steps=5, prometheus=exporter, summary=False, plot=False)
+    util = la.UtilizationMonitor(every_n_seconds=0.0, prometheus=exporter, summary=False)
+    ckpt = la.PreemptionCheckpoint(dirpath=tmp_path / "ckpt", every_n_steps=5)
+    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=20, callbacks=[monitor, util, ckpt])).fit(BoringModel())
+    assert exporter.bound_port is not None
+    web = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: lightning_accel\n    static_configs: [{{targets: ['127.0.0.1:{exporter.bound_port}']}}]\n"
+    )
+    server = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
+    )
+    prom = f"http://127.0.0.1:{web}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if query(prom, "lightning_accel_goodput_total_s"):
+                    break
+            except OSError:
+                pass  # not listening yet
+            assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+        for key, value in monitor.results.items():
+            (sample,) = query(prom, series_name(key))
+            assert sample["metric"]["rank"] == "0" and sample["metric"]["job"] == "lightning_accel"
+            assert float(sample["value"][1]) == value, key  # exact: both sides print floats round-trip
+        for key, value in util.last.items():
+            (sample,) = query(prom, series_name(key))
+            assert float(sample["value"][1]) == value, key
+        scraped = {s["metric"]["__name__"] for s in query(prom, '{job="lightning_accel"}')}
+        # Not in this run: no GPU, one rank, float batches (no tokens).
+        absent = {"goodput/straggler_ratio", "goodput/slowest_rank", "throughput/tokens_per_sec", *utilization.GPU_KEYS}
+        assert dashboard_series() - {series_name(k) for k in absent} <= scraped
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        exporter.close()

@@ -1,0 +1,97 @@
+"""Two-rank training used by the strategy tests: writes each rank's final weights and losses.
+
+python tests/strategies/train_distributed.py --strategy accel_ddp --out DIR [--devices 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_accel  # noqa: F401  (registers the presets)
+from lightning_accel import PreemptionCheckpoint, TorchCompile, find_resume_checkpoint
+from lightning_accel.data import SyntheticTokenDataModule
+from lightning_accel.models import TinyGPT
+from lightning_accel.strategies import AccelFSDPStrategy
+from lightning_accel.testing import quiet_trainer_kwargs
+
+
+class RecordLoss(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def full_state(trainer: Trainer, model: TinyGPT) -> dict[str, torch.Tensor]:
+    """Unsharded weights on every rank (FSDP2 parameters are DTensors)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        state[name] = full.detach().cpu().clone()
+    return state
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true", help="fp32 FSDP2 with activation checkpointing")
+    p.add_argument("--sharded-checkpoints", help="fp32 FSDP2 saving torch DCP folders here (PreemptionCheckpoint)")
+    p.add_argument("--resume", action="store_true", help="resume from the newest valid folder there")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    seed_everything(0)
+    out = Path(args.out)
+    model = TinyGPT(vocab_size=32, seq_len=16, d_model=32, n_layers=2, n_heads=2, lr=3e-3)
+    dm = SyntheticTokenDataModule(num_samples=256, val_samples=16, seq_len=16, vocab_size=32, batch_size=8)
+    record = RecordLoss()
+    callbacks = [record, ModelCheckpoint(dirpath=out / "ckpt", save_last=False, every_n_train_steps=args.max_steps)]
+    if args.compile:
+        callbacks.append(TorchCompile(backend="aot_eager"))
+    strategy = AccelFSDPStrategy(activation_checkpointing=True) if args.activation_checkpointing else args.strategy
+    ckpt_path = None
+    if args.sharded_checkpoints:
+        strategy = AccelFSDPStrategy(save_distributed_checkpoint=True)
+        folder = Path(args.sharded_checkpoints)
+        callbacks = [record, PreemptionCheckpoint(folder, every_n_steps=5, keep_last=2)]
+        ckpt_path = find_resume_checkpoint(folder) if args.resume else None
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        callbacks=callbacks,
+        **quiet_trainer_kwargs(enable_checkpointing=not args.sharded_checkpoints),
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    rank = trainer.global_rank
+    torch.save(full_state(trainer, model), out / f"weights_rank{rank}.pt")
+    (out / f"losses_rank{rank}.json").write_text(json.dumps(record.losses))
+    (out / f"strategy_rank{rank}.txt").write_text(type(trainer.strategy).__name__)
+    if torch.distributed.is_initialized():
+        # Both ranks have written their files before either exits: the test reads rank 1's files as
+        # soon as rank 0 (the launching process) ends.
+        torch.distributed.barrier()
+    # Skip interpreter shutdown: FSDP2's DTensor caches keep the gloo group (and its threads) alive
+    # past lightning_accel's exit hook, and gloo threads alive during shutdown occasionally abort a
+    # finished run (pytorch/pytorch#190489). These runs test training, not exiting; the exit hook has
+    # its own test (test_gloo_process_group_closed_before_interpreter_exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
