@@ -99,3 +99,66 @@ def wrap_validation_runs(trainer: Trainer, enter: Callable[[], None], leave: Cal
         loop.__dict__.pop("run", None)
 
     return undo
+
+
+def log_current_train_batch(trainer: Trainer) -> None:
+    """Hand the current training batch's logged values to the loggers now, as the fit loop does right after the
+    ``on_train_batch_end`` hooks: for a batch after which the fit stops inside that hook (a preemption)."""
+    connector = trainer._logger_connector
+    connector.on_batch_end()
+    connector.update_train_step_metrics()
+
+
+def set_handler_after_fit(trainer: Trainer, signum: int, handler: Any) -> None:
+    """The handler Lightning's signal connector puts back for ``signum`` at the end of the fit (in the Trainer's
+    teardown, before ``on_fit_end`` and the teardown hooks run); Lightning records the one found when the fit
+    started."""
+    connector = trainer._signal_connector
+    if signum in connector._original_handlers:
+        connector._original_handlers[signum] = handler
+
+
+# The training epoch's running aggregates of ``self.log(..., on_epoch=True)`` values: Lightning keeps them in the fit
+# loop's private result collection and does not save them in checkpoints.
+_REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+def running_epoch_results(trainer: Trainer) -> dict[str, dict[str, Any]]:
+    """Each tensor value logged with ``on_epoch=True`` in this training epoch so far: its reduction, its running
+    value and (for a mean) the batch size it has summed over. Values logged as a torchmetrics ``Metric`` are left
+    out: their state is the metric's own."""
+    saved: dict[str, dict[str, Any]] = {}
+    for key, result in trainer.fit_loop.epoch_loop._results.items():
+        meta = result.meta
+        if not (result.is_tensor and meta.on_epoch and result.update_called):
+            continue
+        reduction = next((r for r in _REDUCTIONS if getattr(meta, f"is_{r}_reduction")), None)
+        if reduction is None:
+            continue  # a custom reduce_fx: cannot be merged
+        entry = {"reduction": reduction, "value": result.value.detach().clone()}
+        if reduction == "mean":
+            entry["cumulated_batch_size"] = result.cumulated_batch_size.detach().clone()
+        saved[key] = entry
+    return saved
+
+
+def merge_epoch_results(trainer: Trainer, saved: dict[str, dict[str, Any]]) -> list[str]:
+    """Fold ``saved`` (:func:`running_epoch_results` of the interrupted attempt) into this epoch's running values,
+    for the keys logged again by now; returns the keys merged."""
+    results = trainer.fit_loop.epoch_loop._results
+    merged = []
+    for key, entry in saved.items():
+        result = results.get(key)
+        if result is None or not result.update_called:
+            continue
+        value = entry["value"].to(result.value.device, result.value.dtype)
+        if entry["reduction"] in ("mean", "sum"):
+            result.value = result.value + value
+        else:
+            result.value = result.meta.reduce_fx(result.value, value)
+        if entry["reduction"] == "mean":
+            result.cumulated_batch_size = result.cumulated_batch_size + entry["cumulated_batch_size"].to(
+                result.cumulated_batch_size.device
+            )
+        merged.append(key)
+    return merged

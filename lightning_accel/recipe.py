@@ -12,6 +12,7 @@ from typing import Any, Literal
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel._compat import PrecisionInput
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
@@ -56,6 +57,15 @@ class AccelCLI(LightningCLI):
         cb = next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
         if cb is None:
             self.parser.error("--ckpt_path auto needs a PreemptionCheckpoint callback (it names the folder to search)")
+        # LightningCLI has replaced `true` by the seed it set; false (or none) means nothing was seeded
+        seed = self.config[self.subcommand].get("seed_everything")
+        if seed is None or seed is False:
+            rank_zero_warn(
+                f"--ckpt_path auto with seed_everything={seed}: nothing is seeded, so every attempt starts from other "
+                "random states (NumPy's and Python's come from the OS): a fresh start is not reproducible and a "
+                "resumed run is not the run it continues. Set an integer seed: `seed_everything: 0` in the recipe, or "
+                "--seed_everything 0."
+            )
         found = find_resume_checkpoint(cb.dirpath)
         log.info("ckpt_path=auto: %s", f"resuming from {found}" if found else "no valid checkpoint, starting fresh")
         cfg["ckpt_path"] = found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,18 @@ def test_ckpt_path_auto_starts_fresh_then_resumes(tmp_path, caplog):
     assert second.trainer.global_step == 15
     first_w = torch.load(ckpts / "step=00000010.ckpt", weights_only=False)["state_dict"]
     assert any(not torch.equal(v, second.model.state_dict()[k]) for k, v in first_w.items())  # it trained on
+
+
+def test_ckpt_path_auto_without_a_seed_warns_naming_the_fix(tmp_path):
+    args = ["fit", "--config", str(ROOT / "recipes/mlp_cpu.yaml"), "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.callbacks+=lightning_accel.PreemptionCheckpoint", f"--trainer.callbacks.dirpath={tmp_path}"]
+    args += ["--ckpt_path", "auto", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path)]
+    with pytest.warns(UserWarning, match=r"seed_everything=False: nothing is seeded, so every attempt starts"):
+        build_cli([*args, "--seed_everything", "false"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the recipe's integer seed: nothing to say
+        warnings.filterwarnings("ignore", message="(?!--ckpt_path auto)")
+        build_cli(args)
 
 
 def test_ckpt_path_auto_without_preemption_callback_is_an_error(tmp_path):

@@ -1,4 +1,5 @@
-"""Which train loaders a checkpoint can resume exactly, and the warnings that name the fix for the others."""
+"""What a checkpoint can resume exactly (which train loaders, at which world size), and the warnings that name the
+fix for the rest."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ def warn_if_not_resumable(loaders: Any) -> None:
                 "`from torchdata.stateful_dataloader import StatefulDataLoader` (same arguments as "
                 "DataLoader) or lightning_accel.ResumableDataLoader."
             )
+
+
+def warn_if_world_size_changed(saved: int | None, now: int) -> None:
+    """``saved``: the world size that wrote the checkpoint being resumed (``None``: not resuming)."""
+    if saved is None or saved == now:
+        return
+    rank_zero_warn(
+        f"PreemptionCheckpoint: this checkpoint was written by {saved} rank(s) and the run resumes on {now}. The data "
+        "position, the RNG states and the running epoch values are saved per rank, so the rest of the interrupted "
+        "epoch is not exact: samples are trained twice or skipped, ranks without a saved RNG state take rank 0's, "
+        "and the epoch's logged values start over. Resume at the world size that saved for an exact resume "
+        "(docs/checkpointing.md)."
+    )

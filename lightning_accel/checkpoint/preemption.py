@@ -15,17 +15,32 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_accel._compat import is_last_batch, saves_distributed_checkpoint
+from lightning_accel._compat import (
+    is_last_batch,
+    log_current_train_batch,
+    saves_distributed_checkpoint,
+    set_handler_after_fit,
+)
 from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO, AsyncWrite
 from lightning_accel.checkpoint.atomic import AtomicCheckpointIO
 from lightning_accel.checkpoint.durable import RUN_ID_KEY, TMP_MARKER
-from lightning_accel.checkpoint.loader_state import warn_if_not_resumable
+from lightning_accel.checkpoint.epoch_state import (
+    EpochState,
+    PendingResults,
+    capture_epoch_state,
+    restore_metric_states,
+    warn_about_unsaved_metrics,
+)
+from lightning_accel.checkpoint.loader_state import warn_if_not_resumable, warn_if_world_size_changed
+from lightning_accel.checkpoint.ranks import for_rank, gather_from_ranks
 from lightning_accel.checkpoint.retention import KeepLast
-from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng, state_for_rank
+from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng
 from lightning_accel.checkpoint.sharded import seal_folder
 from lightning_accel.checkpoint.signals import StopSignals
 
 log = logging.getLogger(__name__)
+
+EPOCH_STATE_KEY = "lightning_accel_epoch_state"  # every rank's running epoch aggregates (epoch_state.py)
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again". Schedulers and wrapper scripts can
 # tell a preempted run (requeue it) from a crash (1) or success (0).
@@ -121,6 +136,9 @@ class PreemptionCheckpoint(Callback):
         self._validation_rng: RNGState | None = None
         self._deferred = False  # a save that fell on an epoch's last batch, done at the next step
         self._untimed: tuple[float, AsyncWrite] | None = None  # an async save's start, until its write is durable
+        self._saved_world_size: int | None = None  # of the checkpoint this fit resumes, if any
+        self._pending_epoch_state: list[EpochState] | None = None  # every rank's, until the first resumed batch
+        self._pending_results: PendingResults | None = None  # logged values not yet folded into the resumed epoch
 
     @property
     def keep_last(self) -> int | None:
@@ -133,6 +151,8 @@ class PreemptionCheckpoint(Callback):
         self.preempted, self.saved, self._deferred = False, [], False
         self.save_seconds, self._untimed = [], None
         self.stop_signals.reset()
+        self._saved_world_size = None
+        self._pending_epoch_state, self._pending_results = None, None
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
         self.retention.reset()
         self._use_atomic_io(trainer)
@@ -161,38 +181,53 @@ class PreemptionCheckpoint(Callback):
                 type(io).__name__,
             )
 
-    def _install_handlers(self) -> None:
+    def _install_handlers(self, trainer: Trainer) -> None:
         # Lightning's own SIGTERM handler (installed right before the sanity check) makes the loop raise
         # SIGTERMException (exit code 0) at the next batch, inside an accumulation window, after a
         # validation pass: ours replaces it for the fit and calls the handlers that were there before.
-        if not self.stop_signals.install():
+        if self.stop_signals.install():
+            # Lightning's teardown puts back the handlers it found when the fit started, before on_fit_end and the
+            # teardown hooks run: let it put back ours, so a signal then does not kill the process inside fit();
+            # our teardown hook (or on_exception) puts back the previous ones.
+            for sig in self.stop_signals.signals:
+                set_handler_after_fit(trainer, sig, self.stop_signals.handle)
+        else:
             rank_zero_warn(
                 "PreemptionCheckpoint: fit runs off the main thread, where Python cannot install signal "
                 "handlers; periodic saves work, saves on a signal do not"
             )
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._install_handlers()
+        self._install_handlers(trainer)
         self._stash_rng_for_validation()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._install_handlers()
+        self._install_handlers(trainer)
         self._last_save = time.monotonic()
         warn_if_not_resumable(trainer.train_dataloader)
+        warn_if_world_size_changed(self._saved_world_size, trainer.world_size)
+        warn_about_unsaved_metrics(pl_module)
         if trainer.strategy.reduce_boolean_decision(self.stop_signals.received is not None, all=False):  # any rank
             log.warning("received a stop signal before the first training step: nothing new to save, stopping")
             self._stop(trainer, None)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.stop_signals.restore()
+        if stage == "fit" and self.stop_signals.received is not None and not self.preempted:
+            log.warning(
+                "received %s after the last training step: training is complete, fit() returns normally",
+                self.stop_signals.name(),
+            )
         if stage == "fit" and trainer.is_global_zero:
             # Writes still in flight at the last saves were skipped by pruning; Lightning has flushed
             # them by now (strategy teardown runs before this hook), so count them now.
             self._prune(trainer.strategy.checkpoint_io)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # Also on Preempted: teardown hooks do not run after an exception.
+        # Also on Preempted: teardown hooks do not run after an exception, and Lightning's teardown follows this hook.
         self.stop_signals.restore()
+        for sig in self.stop_signals.signals:
+            set_handler_after_fit(trainer, sig, self.stop_signals.previous(sig))
         if isinstance(exception, Preempted):
             if isinstance(trainer.strategy.checkpoint_io, AsyncAtomicCheckpointIO):
                 trainer.strategy.checkpoint_io.wait()
@@ -219,11 +254,21 @@ class PreemptionCheckpoint(Callback):
         if self._pending_rng is not None:
             # Restored here, not at load time: the resumed loader's iterator draws from the RNG.
             states, self._pending_rng = self._pending_rng, None
-            restore_rng(state_for_rank(states, trainer.global_rank))
+            restore_rng(for_rank(states, trainer.global_rank))
+        if self._pending_epoch_state is not None:
+            epoch_states, self._pending_epoch_state = self._pending_epoch_state, None
+            if len(epoch_states) == trainer.world_size:  # else per-rank values do not map (warned at train start)
+                state = epoch_states[trainer.global_rank]
+                restore_metric_states(pl_module, state)
+                self._pending_results = PendingResults(state.get("results", {}))
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._pending_results is not None:  # the first resumed batches: fold in the interrupted epoch's values
+            self._pending_results.merge(trainer)
+            if not self._pending_results.saved:
+                self._pending_results = None
         if trainer.enable_validation:  # off the hot path of runs without validation
             self._stash_rng_for_validation()
         io = trainer.strategy.checkpoint_io
@@ -290,6 +335,8 @@ class PreemptionCheckpoint(Callback):
         if not self.exit_on_preempt:
             trainer.should_stop = True
             return
+        if checkpoint is not None:  # stopping after a training batch: its logged values reach the loggers first
+            log_current_train_batch(trainer)
         log.info(
             "preempted: %s, exiting with code %d",
             f"saved {checkpoint}" if checkpoint else "nothing to save",
@@ -323,14 +370,27 @@ class PreemptionCheckpoint(Callback):
     def _prune(self, io: Any = None) -> None:
         self.retention.prune(self.dirpath, self.run_id, io)
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pending_results is not None:
+            self._pending_results.warn_unmerged()
+            self._pending_results = None
+
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # On every rank, while the checkpoint is assembled: the gather is a collective all ranks reach.
         checkpoint[RUN_ID_KEY] = self.run_id
+        checkpoint[EPOCH_STATE_KEY] = gather_from_ranks(capture_epoch_state(trainer, pl_module))
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._pending_epoch_state = checkpoint.get(EPOCH_STATE_KEY)
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank while the checkpoint is assembled, so a collective is safe here.
-        return {"rng_states": gather_rng_states(), "run_id": self.run_id}
+        states = gather_rng_states()
+        return {"rng_states": states, "run_id": self.run_id, "world_size": len(states)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng_states")
         self.run_id = state_dict.get("run_id") or self.run_id
+        # checkpoints from before "world_size" was saved: one RNG state per rank tells the same
+        self._saved_world_size = state_dict.get("world_size") or len(self._pending_rng or []) or None

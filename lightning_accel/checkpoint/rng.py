@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from lightning_accel.checkpoint.ranks import gather_from_ranks
 
 RNGState = dict[str, Any]
 
@@ -33,14 +34,4 @@ def restore_rng(state: RNGState) -> None:
 
 def gather_rng_states() -> list[RNGState]:
     """Every rank's generator states, in rank order (a collective: every rank must call it)."""
-    state = capture_rng()
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return [state]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    return states
-
-
-def state_for_rank(states: list[RNGState], rank: int) -> RNGState:
-    """The saved state of ``rank`` (rank 0's when the checkpoint was written by fewer ranks)."""
-    return states[rank] if rank < len(states) else states[0]
+    return gather_from_ranks(capture_rng())

@@ -71,7 +71,11 @@ class StopSignals:
             return
         for sig in self.signals:
             if signal.getsignal(sig) == self.handle:
-                signal.signal(sig, self._chained.get(sig, signal.SIG_DFL))
+                signal.signal(sig, self.previous(sig))
+
+    def previous(self, sig: int) -> Any:
+        """The handler ours replaced (the default when there was none to chain)."""
+        return self._chained.get(sig, signal.SIG_DFL)
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum  # only a flag: the owner decides at a safe point what happens

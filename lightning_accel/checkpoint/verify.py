@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -20,6 +21,32 @@ def _verify_zip(path: Path, why: str) -> Verdict:
     return Verdict(True, f"{why}; the zip container and its CRCs are intact", "zip")
 
 
+def manifest_damage(path: Path) -> str | None:
+    """What is wrong with the manifest beside a checkpoint file, in words; ``None`` when it is usable.
+
+    One policy for all damage (not JSON, not an object, an object without the size or the checksum): the manifest
+    is not trusted, and the checkpoint is judged by its own zip container instead.
+    """
+    where = manifest_path(path)
+    if not where.exists():
+        return "no manifest"
+    try:
+        text = where.read_text()
+    except OSError as err:
+        return f"unreadable manifest ({err.strerror})"
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        return f"unreadable manifest (not JSON: {text[:40]!r})"
+    if not isinstance(manifest, dict):
+        return f"unreadable manifest (a JSON {type(manifest).__name__}, not an object: {text[:40]!r})"
+    if not isinstance(manifest.get("bytes"), int):
+        return f"unreadable manifest (no size recorded: {text[:60]!r})"
+    if not any(isinstance(manifest.get(kind), str) for kind in (CHECKSUM, "sha256")):
+        return f"unreadable manifest (no checksum recorded: {text[:60]!r})"
+    return None
+
+
 def verify(path: PathLike, checksum: bool = True) -> Verdict:
     """Check that ``path`` is a complete checkpoint (a file, or a sharded folder: see ``sharded.verify_folder``).
 
@@ -32,10 +59,11 @@ def verify(path: PathLike, checksum: bool = True) -> Verdict:
         return verify_folder(path, read_manifest(path), checksum)
     if not path.is_file():
         return Verdict(False, "missing", "size")
+    damage = manifest_damage(path)
+    if damage is not None:
+        return _verify_zip(path, damage)
     manifest = read_manifest(path)
-    if manifest is None:
-        why = "unreadable manifest" if manifest_path(path).exists() else "no manifest"
-        return _verify_zip(path, why)
+    assert manifest is not None  # manifest_damage read it as an object
     size = path.stat().st_size
     if size != manifest.get("bytes"):
         return Verdict(False, f"size {size} != {manifest.get('bytes')} recorded in the manifest (truncated?)", "size")

@@ -8,7 +8,8 @@ like a fresh run of the same script (seed_everything, new model and data, resume
 checkpoint): an attempt is stopped by a SIGTERM the run sends itself (rank 1 only under DDP) at a chosen
 point, and the next attempt resumes. Writes OUT_DIR/result_rank{R}.json with, per scenario, whether the
 final weights (BatchNorm buffers included), optimizer state, LR and the sequence of trained sample ids
-equal the uninterrupted run's, and the exit codes of the attempts.
+equal the uninterrupted run's, every epoch value (a self.log mean and a torchmetrics accuracy) as each attempt saw
+it, and the exit codes of the attempts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_accel import (
     PreemptionCheckpoint,
@@ -82,14 +84,17 @@ class IndexedImages(Dataset):
 
 
 class ConvNet(LightningModule):
-    """BatchNorm, Dropout, AdamW with per-step and per-epoch schedules, and a validation step that draws randomness."""
+    """BatchNorm, Dropout, AdamW with per-step and per-epoch schedules, a validation step that draws randomness, and
+    epoch values: a loss mean through self.log (synced across ranks) and a torchmetrics accuracy."""
 
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
             nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.3), nn.Linear(4 * 4 * 4, 3)
         )
+        self.accuracy = MulticlassAccuracy(num_classes=3, average="micro")
         self.seen: list[int] = []
+        self.epoch_values: list[tuple[int, str, float]] = []  # (epoch, name, value) as this attempt saw them
 
     @staticmethod
     def split(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,7 +106,15 @@ class ConvNet(LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, ids = self.split(batch)
         self.seen.extend(int(i) for i in ids)
-        return nn.functional.cross_entropy(self.net(x), y)
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.accuracy.update(logits.argmax(-1), y)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_values.append((self.current_epoch, "accuracy", float(self.accuracy.compute())))
+        self.accuracy.reset()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y, _ = self.split(batch)
@@ -113,6 +126,21 @@ class ConvNet(LightningModule):
         per_step = torch.optim.lr_scheduler.MultiplicativeLR(opt, lambda step: 0.97)
         per_epoch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         return [opt], [{"scheduler": per_step, "interval": "step"}, {"scheduler": per_epoch, "interval": "epoch"}]
+
+
+class EpochLoss(Callback):
+    """Records each epoch's logged train_loss aggregate once Lightning has computed it (at the next epoch's start,
+    and at the end of training)."""
+
+    def _record(self, trainer: Trainer, model: ConvNet, epoch: int) -> None:
+        if "train_loss" in trainer.callback_metrics:  # (none yet at a resumed attempt's first epoch start)
+            model.epoch_values.append((epoch, "train_loss", float(trainer.callback_metrics["train_loss"])))
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._record(trainer, pl_module, trainer.current_epoch - 1)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._record(trainer, pl_module, trainer.current_epoch)
 
 
 class StatefulDistributedData(LightningDataModule):
@@ -210,7 +238,8 @@ def fit(cfg: dict[str, Any], ckpt_dir: Path, stop: str | None) -> tuple[int, Tra
     seed_everything(1234)
     model = ConvNet()
     callbacks: list[Callback] = [
-        PreemptionCheckpoint(ckpt_dir, every_n_steps=EVERY_N_STEPS, keep_last=2, async_save=cfg["async_save"])
+        PreemptionCheckpoint(ckpt_dir, every_n_steps=EVERY_N_STEPS, keep_last=2, async_save=cfg["async_save"]),
+        EpochLoss(),
     ]
     if stop is not None:
         callbacks.append(SendSigterm(stop, cfg["accumulate"], rank=1 if cfg["devices"] > 1 else 0))
@@ -274,16 +303,19 @@ def main() -> None:
     if code != 0:
         raise SystemExit(f"the uninterrupted reference run exited with code {code}")
     reference, reference_seen = final_state(trainer, model), list(model.seen)
+    reference_epochs = list(model.epoch_values)
     results: dict[str, Any] = {}
     for name in cfg["scenarios"]:
         stops = SCENARIOS[name]
         ckpt_dir = out / name / "ck"
         seen: list[int] = []
+        epoch_values: list[tuple[int, str, float]] = []
         codes = []
         for stop in [*stops, None]:
             code, trainer, model = fit(cfg, ckpt_dir, stop)
             codes.append(code)
             seen += model.seen
+            epoch_values += model.epoch_values
             if code == 0:
                 break
         results[name] = {
@@ -295,6 +327,8 @@ def main() -> None:
                 min(len(seen), len(reference_seen)),
             ),
             "seen_lengths": [len(seen), len(reference_seen)],
+            "epoch_values": [list(v) for v in epoch_values],
+            "reference_epoch_values": [list(v) for v in reference_epochs],
         }
     (out / f"result_rank{trainer.global_rank}.json").write_text(json.dumps(results, indent=1))
 

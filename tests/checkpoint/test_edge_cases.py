@@ -8,7 +8,9 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -179,7 +181,6 @@ def test_fit_off_the_main_thread_warns_and_still_saves_periodically(tmp_path):
     errors, warned = [], []
 
     def run():
-        import warnings
 
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
@@ -240,3 +241,56 @@ def test_stateful_loader_whose_sampler_lightning_wrapped_is_flagged():
     own = StatefulDistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
     assert not has_wrapped_stateful_sampler(StatefulDataLoader(data, batch_size=4, sampler=own))
     assert not has_wrapped_stateful_sampler(StatefulDataLoader(data, batch_size=4, shuffle=True))
+
+
+def test_a_resume_at_another_world_size_warns_naming_both(tmp_path):
+    """A checkpoint written by 2 ranks (world_size and one RNG state per rank, as a 2-rank save writes them),
+    resumed on 1: the run warns that the rest of the epoch is not exact, naming both sizes; at the saved size no
+    such warning."""
+    from lightning_accel.data import ResumableDataLoader
+
+    def fit(ckpt_path=None, max_steps=3):
+        cb = PreemptionCheckpoint(tmp_path / "ck", every_n_steps=3, keep_last=None)
+        data = TensorDataset(torch.randn(96, 8), torch.randint(0, 2, (96,)))
+        trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=max_steps, callbacks=[cb]))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer.fit(Wide(), ResumableDataLoader(data, batch_size=8, shuffle=True), ckpt_path=ckpt_path)
+        return [str(w.message) for w in record if "rank(s) and the run resumes" in str(w.message)]
+
+    assert fit() == []
+    saved = find_resume_checkpoint(tmp_path / "ck")
+    assert fit(saved, max_steps=4) == []  # same world size: exact, nothing to say
+    checkpoint = torch.load(saved, weights_only=False)
+    state = checkpoint["callbacks"]["PreemptionCheckpoint"]
+    assert state["world_size"] == 1 and len(state["rng_states"]) == 1
+    state.update(world_size=2, rng_states=state["rng_states"] * 2)
+    atomic_save(checkpoint, saved)  # a valid checkpoint with its manifest, as two ranks would have written it
+    (warning,) = fit(saved, max_steps=4)
+    assert "written by 2 rank(s) and the run resumes on 1" in warning and "not exact" in warning
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[]", "null", "{}", '{"bytes": 12}', '{"xxh3_64": "ab"}'])
+def test_every_kind_of_manifest_damage_gets_one_policy_and_says_what_it_found(tmp_path, damage):
+    """Garbage, a list, null, an empty object or one missing the size or the checksum: the manifest is not trusted,
+    the checkpoint is used once its zip CRCs pass, with a warning that quotes what the manifest held."""
+    _save_steps(tmp_path, (5, 10))
+    manifest_path(tmp_path / "step=00000010.ckpt").write_text(damage)
+    verdict = verify(tmp_path / "step=00000010.ckpt")
+    assert verdict and verdict.checked_by == "zip" and verdict.reason.startswith("unreadable manifest (")
+    assert repr(damage[:40]) in verdict.reason and "CRCs are intact" in verdict.reason
+    with pytest.warns(UserWarning, match=r"step=00000010.ckpt although it has unreadable manifest"):
+        assert find_resume_checkpoint(tmp_path) == str(tmp_path / "step=00000010.ckpt")
+
+
+@pytest.mark.multiprocess
+def test_a_signal_after_the_last_step_lets_fit_return(tmp_path):
+    """SIGTERM in on_train_end, on_fit_end or a teardown hook that runs before PreemptionCheckpoint's (Lightning has
+    put its own start-of-fit handlers back by the last two): fit() returns, the code after it runs, the process
+    exits 0, and the log says training was complete."""
+    script = Path(__file__).parent / "late_signal.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hooks = ["on_train_end", "on_train_end", "on_fit_end", "on_fit_end", "teardown"]
+    assert done.stdout.splitlines() == [f"returned after {hook}" for hook in hooks]
+    assert done.stderr.count("after the last training step: training is complete") == 5

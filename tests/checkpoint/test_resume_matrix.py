@@ -83,6 +83,8 @@ def test_interrupted_runs_end_bitwise_equal_to_the_uninterrupted_run(
             ), where
             assert r["codes"] == [EXIT_CODE_PREEMPTED] * interruptions + [0], where
             assert r["differences"] == [], f"{where}: differs from the uninterrupted run in {r['differences'][:5]}"
+            assert r["epoch_values"] == r["reference_epoch_values"], f"{where}: epoch values differ"
+            assert len(r["reference_epoch_values"]) == 6, where  # 3 epochs x (train_loss, accuracy)
             assert r["seen_equal"], (
                 f"{where}: trained samples differ from sample {r['seen_first_mismatch']} on ({r['seen_lengths']})"
             )
