@@ -29,11 +29,16 @@ prometheus-server:
 		$(SUDO) apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }; }
 
+# Two workers, whole files each (a file's shared reference runs are computed once): on 2 cores the suite takes
+# about two thirds of its serial time, since most tests keep one core busy or wait on their subprocesses.
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+
 test: lint prometheus-server
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not multiprocess"
+	$(PYTEST) -m "not slow and not multiprocess"
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

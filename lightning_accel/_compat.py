@@ -162,3 +162,23 @@ def merge_epoch_results(trainer: Trainer, saved: dict[str, dict[str, Any]]) -> l
             )
         merged.append(key)
     return merged
+
+
+def validation_due_after_this_batch(trainer: Trainer) -> bool:
+    """Whether the fit loop will run validation right after the training batch it is on (its own decision, made
+    after the ``on_train_batch_end`` hooks; ask it from there)."""
+    return bool(trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
+def run_due_validation(trainer: Trainer) -> None:
+    """Run the validation that was due right after the batch a checkpoint was saved at, as the training epoch loop
+    runs it there (its ``on_advance_end``): the validation loop, then the step-interval ``ReduceLROnPlateau``
+    schedulers that follow it. Call it from ``on_train_start`` of the resumed fit."""
+    loop = trainer.fit_loop.epoch_loop
+    loop.val_loop.restarting = False  # a fresh validation run, not the finish of one the checkpoint was saved in
+    trainer.validating = True
+    first_loop_iter = trainer._logger_connector._first_loop_iter
+    loop.val_loop.run()
+    trainer.training = True
+    trainer._logger_connector._first_loop_iter = first_loop_iter
+    loop.update_lr_schedulers("step", update_plateau_schedulers=True)

@@ -7,6 +7,7 @@ took from its start to durable on disk without bookkeeping of its own.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,10 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_accel._compat import saves_distributed_checkpoint
 from lightning_accel.checkpoint.atomic import AtomicCheckpointIO
 from lightning_accel.checkpoint.durable import PathLike
+
+log = logging.getLogger(__name__)
 
 
 def _copyable(t: torch.Tensor) -> bool:
@@ -158,3 +165,24 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
                 self._executor.shutdown(wait=True)
                 self._executor = None
             super().teardown()
+
+
+def install_atomic_io(strategy: Strategy, async_save: bool) -> None:
+    """Give ``strategy`` our atomic checkpoint IO (async with ``async_save``) in place of Lightning's default one; a
+    user's own IO plugin is respected, with a warning that its writes are not made atomic."""
+    sharded = isinstance(strategy, DeepSpeedStrategy) or saves_distributed_checkpoint(strategy)
+    if sharded and async_save:
+        log.warning(
+            "%s writes sharded checkpoint folders itself, synchronously: async_save=True applies to single-file "
+            "checkpoints only. Folders are sealed with a manifest once every rank has written",
+            type(strategy).__name__,
+        )
+    io = strategy.checkpoint_io
+    if type(io) is TorchCheckpointIO:  # the default: upgrade it
+        strategy.checkpoint_io = AsyncAtomicCheckpointIO() if async_save else AtomicCheckpointIO()
+    elif not isinstance(io, (AtomicCheckpointIO, AsyncCheckpointIO)):
+        log.warning(
+            "%s uses its own checkpoint IO (%s): writes are not made atomic by PreemptionCheckpoint",
+            type(strategy).__name__,
+            type(io).__name__,
+        )

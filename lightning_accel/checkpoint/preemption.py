@@ -8,21 +8,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel._compat import (
     is_last_batch,
     log_current_train_batch,
-    saves_distributed_checkpoint,
+    run_due_validation,
     set_handler_after_fit,
+    validation_due_after_this_batch,
 )
-from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO, AsyncWrite
-from lightning_accel.checkpoint.atomic import AtomicCheckpointIO
+from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO, install_atomic_io
 from lightning_accel.checkpoint.durable import RUN_ID_KEY, TMP_MARKER
 from lightning_accel.checkpoint.epoch_state import (
     EpochState,
@@ -35,12 +32,14 @@ from lightning_accel.checkpoint.loader_state import warn_if_not_resumable, warn_
 from lightning_accel.checkpoint.ranks import for_rank, gather_from_ranks
 from lightning_accel.checkpoint.retention import KeepLast
 from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng
+from lightning_accel.checkpoint.save_timing import SaveTimer
 from lightning_accel.checkpoint.sharded import seal_folder
 from lightning_accel.checkpoint.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
 EPOCH_STATE_KEY = "lightning_accel_epoch_state"  # every rank's running epoch aggregates (epoch_state.py)
+VALIDATION_DUE_KEY = "lightning_accel_validation_due"  # validation was due right after the saved batch
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again". Schedulers and wrapper scripts can
 # tell a preempted run (requeue it) from a crash (1) or success (0).
@@ -108,8 +107,6 @@ class PreemptionCheckpoint(Callback):
         grace_period_s: float = 30.0,
     ) -> None:
         self.dirpath = Path(dirpath)
-        if grace_period_s <= 0:
-            raise ValueError(f"grace_period_s must be positive, got {grace_period_s}")
         for name, value in (
             ("every_n_steps", every_n_steps),
             ("every_n_seconds", every_n_seconds),
@@ -119,7 +116,7 @@ class PreemptionCheckpoint(Callback):
                 raise ValueError(f"{name} must be positive or None, got {value}")
         self.stop_signals = StopSignals(signals)
         self.signals = self.stop_signals.signals
-        self.grace_period_s = grace_period_s
+        self.save_timer = SaveTimer(grace_period_s)
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.retention = KeepLast(keep_last)
@@ -128,58 +125,48 @@ class PreemptionCheckpoint(Callback):
         self.exit_code = exit_code
         self.preempted = False
         self.saved: list[Path] = []
-        self.save_seconds: list[float] = []  # each save, start to durable: the stall, plus the write when async
         self.run_id = ""
         self._last_save = time.monotonic()
         self._step_at_batch_start = 0
         self._pending_rng: list[RNGState] | None = None
         self._validation_rng: RNGState | None = None
         self._deferred = False  # a save that fell on an epoch's last batch, done at the next step
-        self._untimed: tuple[float, AsyncWrite] | None = None  # an async save's start, until its write is durable
         self._saved_world_size: int | None = None  # of the checkpoint this fit resumes, if any
         self._pending_epoch_state: list[EpochState] | None = None  # every rank's, until the first resumed batch
         self._pending_results: PendingResults | None = None  # logged values not yet folded into the resumed epoch
+        self._validation_due = False  # after the batch being saved by save(); after the one resumed from, on load
 
     @property
     def keep_last(self) -> int | None:
         return self.retention.keep_last
+
+    @property
+    def grace_period_s(self) -> float:
+        return self.save_timer.grace_period_s
+
+    @property
+    def save_seconds(self) -> list[float]:
+        """Each save, start to durable: the stall, plus the write when async."""
+        return self.save_timer.seconds
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self.preempted, self.saved, self._deferred = False, [], False
-        self.save_seconds, self._untimed = [], None
+        self.save_timer.reset()
         self.stop_signals.reset()
         self._saved_world_size = None
         self._pending_epoch_state, self._pending_results = None, None
+        self._validation_due = False
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
         self.retention.reset()
-        self._use_atomic_io(trainer)
+        install_atomic_io(trainer.strategy, self.async_save)
         # Handlers in place before Lightning installs its own (a user's, an agent's): ours call them.
         self.stop_signals.remember_previous()
         if trainer.is_global_zero and self.dirpath.is_dir():
             for stale in self.dirpath.glob(f".*{TMP_MARKER}*"):  # left by a write that was killed
                 stale.unlink(missing_ok=True)
-
-    def _use_atomic_io(self, trainer: Trainer) -> None:
-        strategy = trainer.strategy
-        sharded = isinstance(strategy, DeepSpeedStrategy) or saves_distributed_checkpoint(strategy)
-        if sharded and self.async_save:
-            log.warning(
-                "%s writes sharded checkpoint folders itself, synchronously: async_save=True applies to single-file "
-                "checkpoints only. Folders are sealed with a manifest once every rank has written",
-                type(strategy).__name__,
-            )
-        io = strategy.checkpoint_io
-        if type(io) is TorchCheckpointIO:  # the default: upgrade it; a user's own plugin is respected
-            strategy.checkpoint_io = AsyncAtomicCheckpointIO() if self.async_save else AtomicCheckpointIO()
-        elif not isinstance(io, (AtomicCheckpointIO, AsyncCheckpointIO)):
-            log.warning(
-                "%s uses its own checkpoint IO (%s): writes are not made atomic by PreemptionCheckpoint",
-                type(strategy).__name__,
-                type(io).__name__,
-            )
 
     def _install_handlers(self, trainer: Trainer) -> None:
         # Lightning's own SIGTERM handler (installed right before the sanity check) makes the loop raise
@@ -203,6 +190,8 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._install_handlers(trainer)
+        if self._validation_due:
+            self._run_due_validation(trainer)
         self._last_save = time.monotonic()
         warn_if_not_resumable(trainer.train_dataloader)
         warn_if_world_size_changed(self._saved_world_size, trainer.world_size)
@@ -231,7 +220,7 @@ class PreemptionCheckpoint(Callback):
         if isinstance(exception, Preempted):
             if isinstance(trainer.strategy.checkpoint_io, AsyncAtomicCheckpointIO):
                 trainer.strategy.checkpoint_io.wait()
-                self._record_finished_write()
+                self.save_timer.record_finished_write()
                 if trainer.is_global_zero:
                     self._prune(trainer.strategy.checkpoint_io)
             # No rank leaves before the checkpoint is complete: a restart must find the same newest file.
@@ -274,7 +263,7 @@ class PreemptionCheckpoint(Callback):
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AsyncAtomicCheckpointIO):
             io.raise_if_failed()  # a failed background write (a full disk) stops training now
-            self._record_finished_write()
+            self.save_timer.record_finished_write()
         if trainer.global_step == self._step_at_batch_start:
             return  # inside an accumulation window: a checkpoint here would hold half of it
         signalled = trainer.strategy.reduce_boolean_decision(self.stop_signals.received is not None, all=False)
@@ -293,26 +282,17 @@ class PreemptionCheckpoint(Callback):
         self._deferred = False
         self._save_or_stop(trainer, signalled)
 
-    def _record_finished_write(self) -> None:
-        if self._untimed is not None and self._untimed[1].finished is not None:
-            start, write = self._untimed
-            self._record_save_time(write.finished - start)
-            self._untimed = None
-
-    def _record_save_time(self, seconds: float) -> None:
-        """Keep a save's start-to-durable time; the first one over the grace period warns, with the fixes."""
-        self.save_seconds.append(seconds)
-        if len(self.save_seconds) > 1 or seconds <= self.grace_period_s:
+    def _run_due_validation(self, trainer: Trainer) -> None:
+        # The validation the interrupted attempt skipped (or ran, then died) right after the saved batch runs first,
+        # with that batch's RNG state, so EarlyStopping, ReduceLROnPlateau and checkpoints on a validation metric
+        # see the uninterrupted run's sequence of validations.
+        self._validation_due = False
+        if not trainer.enable_validation or self._pending_rng is None:
             return
-        rank_zero_warn(
-            f"PreemptionCheckpoint: a save took {seconds:.1f} s from start to durable, over the "
-            f"{self.grace_period_s:g} s grace period between a preemption signal and SIGKILL "
-            "(grace_period_s): a save at the signal would be cut off, and the run would resume from the "
-            "previous checkpoint (writes are atomic: it stays valid). Fixes: a faster disk for dirpath; "
-            "more frequent periodic saves (every_n_steps / every_n_seconds; async_save=True keeps them from "
-            "stalling training) so that less is lost; a longer grace period where you can set one (Kubernetes "
-            "terminationGracePeriodSeconds, Slurm --signal=SIGTERM@<seconds>)."
-        )
+        restore_rng(for_rank(self._pending_rng, trainer.global_rank))
+        self._stash_rng_for_validation()
+        log.info("running the validation that was due after step %d before training on", trainer.global_step)
+        run_due_validation(trainer)
 
     @staticmethod
     def _is_final_step(trainer: Trainer) -> bool:
@@ -352,15 +332,19 @@ class PreemptionCheckpoint(Callback):
         io = trainer.strategy.checkpoint_io
         if isinstance(io, AsyncAtomicCheckpointIO):
             io.wait()  # (the save waits for the previous write anyway) so the previous one is timed first
-            self._record_finished_write()
+            self.save_timer.record_finished_write()
         start = time.monotonic()
-        trainer.save_checkpoint(path, weights_only=False)  # ends with a barrier: every rank has written
+        self._validation_due = validation_due_after_this_batch(trainer)  # (written by on_save_checkpoint)
+        try:
+            trainer.save_checkpoint(path, weights_only=False)
+        finally:
+            self._validation_due = False  # ends with a barrier: every rank has written
         if trainer.is_global_zero and path.is_dir():  # a sharded folder (torch DCP, DeepSpeed): seal it
             seal_folder(path, {"global_step": trainer.global_step, "run_id": self.run_id})
         if isinstance(io, AsyncAtomicCheckpointIO) and io.last_write is not None:
-            self._untimed = (start, io.last_write)  # timed when its write is durable
+            self.save_timer.wait_for(start, io.last_write)
         else:
-            self._record_save_time(time.monotonic() - start)
+            self.save_timer.record(time.monotonic() - start)
         self.saved.append(path)
         self._last_save = time.monotonic()
         if trainer.is_global_zero:
@@ -379,9 +363,11 @@ class PreemptionCheckpoint(Callback):
         # On every rank, while the checkpoint is assembled: the gather is a collective all ranks reach.
         checkpoint[RUN_ID_KEY] = self.run_id
         checkpoint[EPOCH_STATE_KEY] = gather_from_ranks(capture_epoch_state(trainer, pl_module))
+        checkpoint[VALIDATION_DUE_KEY] = self._validation_due  # True only in save(), at a training batch's end
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_epoch_state = checkpoint.get(EPOCH_STATE_KEY)
+        self._validation_due = bool(checkpoint.get(VALIDATION_DUE_KEY, False))
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -8,8 +8,8 @@ like a fresh run of the same script (seed_everything, new model and data, resume
 checkpoint): an attempt is stopped by a SIGTERM the run sends itself (rank 1 only under DDP) at a chosen
 point, and the next attempt resumes. Writes OUT_DIR/result_rank{R}.json with, per scenario, whether the
 final weights (BatchNorm buffers included), optimizer state, LR and the sequence of trained sample ids
-equal the uninterrupted run's, every epoch value (a self.log mean and a torchmetrics accuracy) as each attempt saw
-it, and the exit codes of the attempts.
+equal the uninterrupted run's, every epoch value (a self.log mean and a torchmetrics accuracy) and every
+validation's value as each attempt saw them, and the exit codes of the attempts.
 """
 
 from __future__ import annotations
@@ -130,7 +130,13 @@ class ConvNet(LightningModule):
 
 class EpochLoss(Callback):
     """Records each epoch's logged train_loss aggregate once Lightning has computed it (at the next epoch's start,
-    and at the end of training)."""
+    and at the end of training), and every validation's val_loss (the sequence EarlyStopping would see)."""
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            pl_module.epoch_values.append(
+                (trainer.global_step, "val_loss", float(trainer.callback_metrics["val_loss"]))
+            )
 
     def _record(self, trainer: Trainer, model: ConvNet, epoch: int) -> None:
         if "train_loss" in trainer.callback_metrics:  # (none yet at a resumed attempt's first epoch start)
