@@ -70,12 +70,13 @@ class PreemptionCheckpoint(Callback):
 
     Periodic saves (``every_n_steps``, ``every_n_seconds``) also happen at optimizer-step boundaries
     only. Writes go through :class:`AtomicCheckpointIO` (temp file, fsync, rename, checksum manifest),
-    in a background thread with ``async_save``. The callback state carries every rank's RNG state, so a
-    resumed run reproduces the uninterrupted one bit for bit with a stateful train loader
-    (:class:`ResumableDataLoader`, torchdata's ``StatefulDataLoader``, :class:`DALIImageDataModule`).
-    While this callback is attached, validation does not advance the training RNG (its RNG state is
-    saved before and restored after every validation run), because a resume skips a validation that
-    was due right after the saved step. See docs/checkpointing.md for what is and is not guaranteed.
+    in a background thread with ``async_save``. The checkpoint carries every rank's RNG state and the
+    interrupted epoch's running logged values and torchmetrics states, so a resumed run reproduces the
+    uninterrupted one bit for bit (weights and epoch values) with a stateful train loader
+    (:class:`ResumableDataLoader`, torchdata's ``StatefulDataLoader``, :class:`DALIImageDataModule`). A
+    validation that was due right after the saved step runs first on resume. While this callback is
+    attached, validation does not advance the training RNG (its RNG state is saved before and restored
+    after every validation run). See docs/checkpointing.md for what is and is not guaranteed.
 
     Args:
         dirpath: Folder for the checkpoints (``find_resume_checkpoint(dirpath)`` resumes from it).
