@@ -43,6 +43,14 @@ def warn_if_not_resumable(loaders: Any) -> None:
                 "train_dataloader() with `sampler=StatefulDistributedSampler(dataset, shuffle=True, seed=...)` "
                 "(from torchdata.stateful_dataloader.sampler); Lightning keeps a distributed sampler as it is."
             )
+        if getattr(loader, "num_workers", 0) > 0:
+            rank_zero_warn(
+                f"PreemptionCheckpoint: the train loader runs {loader.num_workers} worker processes. Their random "
+                "state is not in the checkpoint: if the dataset's __getitem__ draws random numbers (augmentation), "
+                "the samples trained after a mid-epoch resume get other random draws than in an uninterrupted run "
+                "(the sample order is still exact). Seed such draws from the sample index and the epoch, or augment "
+                "on the main process or the GPU (docs/checkpointing.md, 'Not guaranteed')."
+            )
         if not is_stateful(loader):
             rank_zero_warn(
                 f"PreemptionCheckpoint: the train loader ({type(loader).__name__}) has no state_dict, so a "
