@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_accel import _compat
 from lightning_accel.strategies import AccelFSDPStrategy
+from lightning_accel.testing import quiet_trainer_kwargs
 
 PACKAGE = Path(_compat.__file__).parent
 # "from lightning.x import _name", "lightning.x._name", getattr(obj, "_name"), and the private
@@ -97,15 +98,7 @@ def test_is_last_batch_follows_the_fit_loop(tmp_path):
         def on_train_batch_end(self, outputs, batch, batch_idx):
             seen.append(_compat.is_last_batch(self.trainer))
 
-    trainer = Trainer(
-        max_epochs=1,
-        limit_train_batches=3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = Trainer(**quiet_trainer_kwargs(max_epochs=1, limit_train_batches=3, default_root_dir=str(tmp_path)))
     trainer.fit(Probe())
     assert seen == [False, False, True]
 
@@ -145,16 +138,8 @@ def test_validation_runs_are_wrapped_whole_and_unwrapped(tmp_path):
             calls.append("step")
             return super().validation_step(batch, batch_idx)
 
-    trainer = Trainer(
-        max_steps=4,
-        val_check_interval=2,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=str(tmp_path),
-    )
+    kwargs = quiet_trainer_kwargs(default_root_dir=str(tmp_path), max_steps=4, val_check_interval=2)
+    trainer = Trainer(**{**kwargs, "limit_val_batches": 1})
     loop = trainer.fit_loop.epoch_loop.val_loop
     undo = _compat.wrap_validation_runs(trainer, lambda: calls.append("enter"), lambda: calls.append("leave"))
     trainer.fit(Probe())

@@ -120,38 +120,14 @@ class GoodputMonitor(Callback):
         if self._counted_flops:
             self.accounting.flops_per_batch = None
 
-    # -- what the accounting holds, by the names users read -----------------------------------------
-    @property
-    def ledger(self) -> Ledger:
-        return self.accounting.ledger
-
     @property
     def flops_per_batch(self) -> float | None:
+        """FLOPs of one training micro-batch per device: given, or counted on the first one."""
         return self.accounting.flops_per_batch
 
     @property
-    def peak(self) -> float | None:
-        return self.accounting.peak_flops
-
-    @property
-    def restarts(self) -> int:
-        return self.accounting.restarts
-
-    @property
-    def lost_steps(self) -> int:
-        return self.accounting.lost_steps
-
-    @property
-    def lost_s(self) -> float:
-        return self.accounting.lost_s
-
-    @property
-    def straggler_ratio(self) -> float | None:
-        return self.accounting.straggler_ratio
-
-    @property
-    def slowest_rank(self) -> int | None:
-        return self.accounting.slowest_rank
+    def ledger(self) -> Ledger:
+        return self.accounting.ledger
 
     # -- installing the ledger ----------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -320,7 +296,7 @@ class GoodputMonitor(Callback):
         if self.plot and self._run_dir is not None:
             carried = self.accounting.carried
             bars = {"this attempt": {b: self.results[f"goodput/{b}_s"] - carried[b] for b in BUCKETS}}
-            if self.restarts:
+            if self.accounting.restarts:
                 bars["whole run"] = {b: self.results[f"goodput/{b}_s"] for b in BUCKETS}
             path = plot_ledger(bars, self._run_dir / "goodput.png", title="lightning-accel goodput ledger")
             log.info("goodput ledger plot: %s", path)
@@ -338,10 +314,12 @@ class GoodputMonitor(Callback):
         for key in THROUGHPUT_KEYS:
             if key in self.results:
                 rows[key.split("/", 1)[1]] = self.results[key]
-        if self.restarts:
-            rows["restarts"] = self.restarts
-            rows["lost steps / seconds"] = f"{self.lost_steps} / {self.lost_s:.1f} s"
-        if self.straggler_ratio is not None:
-            rows["straggler ratio (slowest rank)"] = f"{self.straggler_ratio:.2f} (rank {self.slowest_rank})"
+        if self.accounting.restarts:
+            rows["restarts"] = self.accounting.restarts
+            rows["lost steps / seconds"] = f"{self.accounting.lost_steps} / {self.accounting.lost_s:.1f} s"
+        if self.accounting.straggler_ratio is not None:
+            rows["straggler ratio (slowest rank)"] = (
+                f"{self.accounting.straggler_ratio:.2f} (rank {self.accounting.slowest_rank})"
+            )
         rows["peak_flops_source"] = self.peak_source
         print_summary("lightning-accel goodput", rows)

@@ -65,40 +65,46 @@ class RunFacts:
         return (self.step_ops or 0) * DISPATCH_S / self.step_s if self.step_s else 0.0
 
 
-def input_rule(run: RunFacts) -> Finding | None:
-    data = run.share("data")
-    if data <= INPUT_SHARE:
+def _share_finding(
+    run: RunFacts, kind: str, bucket: str, threshold: float, fix: str, **evidence: Any
+) -> Finding | None:
+    """A finding when ``bucket``'s share of the run passes ``threshold``: the rules that are one share."""
+    share = run.share(bucket)
+    if share <= threshold:
         return None
-    return Finding(
+    return Finding(kind, share, {f"{bucket}_share": share, **evidence}, fix)
+
+
+def input_rule(run: RunFacts) -> Finding | None:
+    return _share_finding(
+        run,
         "input",
-        data,
-        {"data_share": data, "data_wait_share": run.goodput.get("throughput/data_wait_share")},
+        "data",
+        INPUT_SHARE,
         "The step waits for the train loader: DataLoader(num_workers=<cores per GPU>, pin_memory=True, "
         "persistent_workers=True), or decode and augment with lightning_accel.data.DALIImageDataModule.",
+        data_wait_share=run.goodput.get("throughput/data_wait_share"),
     )
 
 
 def checkpoint_rule(run: RunFacts) -> Finding | None:
-    checkpoint = run.share("checkpoint")
-    if checkpoint <= CHECKPOINT_SHARE:
-        return None
-    return Finding(
+    return _share_finding(
+        run,
         "checkpoint",
-        checkpoint,
-        {"checkpoint_share": checkpoint, "checkpoint_s": run.goodput.get("goodput/checkpoint_s")},
+        "checkpoint",
+        CHECKPOINT_SHARE,
         "Saves stall training: PreemptionCheckpoint(async_save=True), save less often (a larger "
         "every_n_steps / every_n_seconds), or a faster disk for dirpath.",
+        checkpoint_s=run.goodput.get("goodput/checkpoint_s"),
     )
 
 
 def validation_rule(run: RunFacts) -> Finding | None:
-    validation = run.share("validation")
-    if validation <= VALIDATION_SHARE:
-        return None
-    return Finding(
+    return _share_finding(
+        run,
         "validation",
-        validation,
-        {"validation_share": validation},
+        "validation",
+        VALIDATION_SHARE,
         "Validation takes a large part of the run: a larger Trainer(val_check_interval=...) or "
         "check_val_every_n_epoch, or limit_val_batches.",
     )
