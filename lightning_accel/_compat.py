@@ -14,10 +14,15 @@ from typing import Any, get_args
 from lightning.fabric.connector import _PRECISION_INPUT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from torch.distributed.constants import default_pg_timeout
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+# Whether Lightning's default progress bar is its RichProgressBar (rich installed, as it is with our dependencies).
+RICH_AVAILABLE = bool(_RICH_AVAILABLE)
 
 # The type of ``Trainer(precision=...)``: our CLI's Trainer accepts the same values (plus "auto-mixed").
 PrecisionInput = _PRECISION_INPUT
@@ -182,3 +187,20 @@ def run_due_validation(trainer: Trainer) -> None:
     trainer.training = True
     trainer._logger_connector._first_loop_iter = first_loop_iter
     loop.update_lr_schedulers("step", update_plateau_schedulers=True)
+
+
+class StepsProgressBar(RichProgressBar):
+    """Lightning's default ``RichProgressBar``, for a run bounded by ``max_steps``: its description reads "Epoch 0"
+    instead of "Epoch 0/-2" (Lightning writes ``max_epochs - 1`` and a step-bounded run has ``max_epochs=-1``), and
+    the numbers beside the bar start with ``step 60/120``. It overrides a private method of the bar."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is None or self.trainer.max_epochs < 0:
+            return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"  # padded as Lightning's
+        return super()._get_train_description(current_epoch)
+
+    def get_metrics(self, trainer: Trainer, pl_module: Any) -> dict[str, int | str | float | dict[str, float]]:
+        metrics = super().get_metrics(trainer, pl_module)
+        if trainer.max_steps > 0:
+            return {"step": f"{trainer.global_step}/{trainer.max_steps}", **metrics}
+        return metrics

@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_accel._compat import PrecisionInput
+from lightning_accel._compat import RICH_AVAILABLE, PrecisionInput, StepsProgressBar
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.precision import auto_precision
 from lightning_accel.strategies import check_strategy_name, init_restart_safe_process_group
@@ -35,6 +36,11 @@ class AccelTrainer(Trainer):
             precision = auto_precision(precision, accelerator=str(kwargs.get("accelerator", "auto")))
         if isinstance(kwargs.get("strategy"), str):
             check_strategy_name(kwargs["strategy"])
+        callbacks = kwargs.get("callbacks") or []
+        callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        wants_bar = kwargs.get("enable_progress_bar", True) is not False
+        if wants_bar and RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepsProgressBar()]  # Lightning's default bar, without "Epoch 0/-2"
         super().__init__(*args, precision=precision, **kwargs)
 
 

@@ -165,3 +165,17 @@ def test_ckpt_path_auto_without_preemption_callback_is_an_error(tmp_path):
     )
     assert result.returncode != 0
     assert "--ckpt_path auto needs a PreemptionCheckpoint callback" in result.stderr
+
+
+def test_a_step_bounded_recipe_shows_steps_not_epoch_minus_two(tmp_path):
+    from lightning_accel._compat import StepsProgressBar
+    from lightning_accel.recipe import AccelTrainer
+
+    trainer = AccelTrainer(accelerator="cpu", max_steps=5, logger=False, default_root_dir=str(tmp_path))
+    (bar,) = [c for c in trainer.callbacks if isinstance(c, StepsProgressBar)]
+    assert trainer.progress_bar_callback is bar
+    bar.setup(trainer, trainer.lightning_module, "fit")
+    trainer.fit_loop.max_epochs = -1  # what a fit bounded by max_steps runs with
+    assert bar._get_train_description(0).strip() == "Epoch 0"
+    assert bar.get_metrics(trainer, None)["step"] == "0/5"
+    assert AccelTrainer(accelerator="cpu", enable_progress_bar=False).progress_bar_callback is None

@@ -169,3 +169,15 @@ def test_dispatch_mode_check_sees_a_flop_counter():
     with FlopCounterMode(display=False):
         assert dispatch_mode_active()
     assert not dispatch_mode_active()
+
+
+def test_the_steps_progress_bar_overrides_a_method_lightning_still_has(tmp_path):
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    assert list(inspect.signature(RichProgressBar._get_train_description).parameters) == ["self", "current_epoch"]
+    trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    bar = _compat.StepsProgressBar()
+    bar.setup(trainer, BoringModel(), "fit")
+    trainer.fit_loop.max_epochs = -1  # what a fit bounded by max_steps runs with
+    assert bar._get_train_description(0).strip() == "Epoch 0"
+    assert RichProgressBar._get_train_description(bar, 0).strip() == "Epoch 0/-2"  # Lightning's own
