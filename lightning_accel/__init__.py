@@ -7,7 +7,12 @@ Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/arch
 from lightning_accel import tune  # a callable package: lightning_accel.tune(...) runs the search
 from lightning_accel.checkpoint import AtomicCheckpointIO, Preempted, PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.compile import TorchCompile
-from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
+from lightning_accel.data import (
+    ResumableDataLoader,
+    ResumableStreamLoader,
+    SyntheticClassificationDataModule,
+    SyntheticTokenDataModule,
+)
 from lightning_accel.monitor import GoodputMonitor, PrometheusExporter, UtilizationMonitor
 from lightning_accel.precision import auto_precision, choose_precision
 from lightning_accel.profile import Finding, TorchProfiler, diagnose
@@ -25,6 +30,7 @@ __all__ = [
     "PreemptionCheckpoint",
     "PrometheusExporter",
     "ResumableDataLoader",
+    "ResumableStreamLoader",
     "SyntheticClassificationDataModule",
     "SyntheticTokenDataModule",
     "TorchCompile",

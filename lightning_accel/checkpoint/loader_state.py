@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
@@ -51,12 +53,24 @@ def warn_if_not_resumable(loaders: Any) -> None:
                 "(the sample order is still exact). Seed such draws from the sample index and the epoch, or augment "
                 "on the main process or the GPU (docs/checkpointing.md, 'Not guaranteed')."
             )
+        stream = isinstance(getattr(loader, "dataset", None), IterableDataset)
+        if stream and isinstance(loader, StatefulDataLoader) and not has_len(loader):
+            rank_zero_warn(
+                "PreemptionCheckpoint: Lightning reads one batch ahead of a loader without a length, and "
+                "StatefulDataLoader saves its stream's state with that batch already taken: a resume skips one batch. "
+                "Use lightning_accel.ResumableStreamLoader (it saves the state from before the read-ahead; "
+                "num_workers=0), or give the stream a __len__."
+            )
         if not is_stateful(loader):
+            fix = (
+                "lightning_accel.ResumableStreamLoader over a stream with state_dict()/load_state_dict()"
+                if stream
+                else "`from torchdata.stateful_dataloader import StatefulDataLoader` (same arguments as DataLoader) "
+                "or lightning_accel.ResumableDataLoader"
+            )
             rank_zero_warn(
                 f"PreemptionCheckpoint: the train loader ({type(loader).__name__}) has no state_dict, so a "
-                "resume from a mid-epoch checkpoint replays or skips samples and is not exact. Use "
-                "`from torchdata.stateful_dataloader import StatefulDataLoader` (same arguments as "
-                "DataLoader) or lightning_accel.ResumableDataLoader."
+                f"resume from a mid-epoch checkpoint replays or skips samples and is not exact. Use {fix}."
             )
 
 

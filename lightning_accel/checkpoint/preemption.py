@@ -29,12 +29,12 @@ from lightning_accel.checkpoint.epoch_state import (
     warn_about_unsaved_metrics,
 )
 from lightning_accel.checkpoint.loader_state import warn_if_not_resumable, warn_if_world_size_changed
-from lightning_accel.checkpoint.ranks import for_rank, gather_from_ranks
 from lightning_accel.checkpoint.retention import KeepLast
 from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng
 from lightning_accel.checkpoint.save_timing import SaveTimer
 from lightning_accel.checkpoint.sharded import seal_folder
 from lightning_accel.checkpoint.signals import StopSignals
+from lightning_accel.ranks import for_rank, gather_from_ranks
 
 log = logging.getLogger(__name__)
 

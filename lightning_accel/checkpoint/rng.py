@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_accel.checkpoint.ranks import gather_from_ranks
+from lightning_accel.ranks import gather_from_ranks
 
 RNGState = dict[str, Any]
 

@@ -7,6 +7,7 @@ needs the synthetic data (or a machine without DALI) should not pay for it.
 from typing import Any
 
 from lightning_accel.data.resumable import ResumableDataLoader, ResumableSampler
+from lightning_accel.data.stream import ResumableStreamLoader
 from lightning_accel.data.synthetic import SyntheticClassificationDataModule, SyntheticTokenDataModule
 
 _DALI_NAMES = {"DALIImageDataModule", "DALILoader", "find_unreadable_images", "scan_image_folder"}
@@ -16,6 +17,7 @@ __all__ = [
     "DALILoader",
     "ResumableDataLoader",
     "ResumableSampler",
+    "ResumableStreamLoader",
     "SyntheticClassificationDataModule",
     "SyntheticTokenDataModule",
     "find_unreadable_images",

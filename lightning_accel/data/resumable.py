@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 # Every batch drawn from the iterator has been trained on when a checkpoint is written: Lightning's
 # `_PrefetchDataFetcher` only reads ahead for loaders without a length, and this one always has one.
@@ -99,6 +99,12 @@ class ResumableDataLoader(DataLoader):
         drop_last: bool = False,
         **kwargs: Any,
     ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                f"ResumableDataLoader takes a map-style dataset (__len__ and __getitem__), got the stream "
+                f"{type(dataset).__name__}: use lightning_accel.ResumableStreamLoader for an IterableDataset that "
+                "keeps its position in state_dict()/load_state_dict() (docs/checkpointing.md, 'Streams')"
+            )
         sampler = kwargs.pop("sampler", None)
         if sampler is None:
             sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed)

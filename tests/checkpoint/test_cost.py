@@ -129,6 +129,24 @@ def test_async_deletions_run_behind_the_write_off_the_training_thread(tmp_path, 
         remove(self, path)
 
     monkeypatch.setattr(AtomicCheckpointIO, "remove_checkpoint", recording)
+    # Each background write starts once the prune after its save has run, so every save's own write is still in
+    # flight when that prune looks (as with any checkpoint larger than this test's): without this, a loaded
+    # machine may finish the last write before its prune, and that deletion moves into the write thread.
+    pruned = threading.Event()
+    prune, write = PreemptionCheckpoint._prune, AtomicCheckpointIO.save_checkpoint
+
+    def prune_then_release(self, io=None):
+        prune(self, io)
+        pruned.set()
+
+    def write_after_prune(self, checkpoint, path, storage_options=None):
+        if threading.current_thread().name.startswith("accel-ckpt"):
+            assert pruned.wait(30)
+            pruned.clear()
+        write(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(PreemptionCheckpoint, "_prune", prune_then_release)
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", write_after_prune)
     cb = fit_with_checkpoints(tmp_path, async_save=True)
     # saves at 8, 10, 12 each delete the oldest complete file in the write thread; teardown's prune (after
     # the thread is gone) deletes the one that was still in flight at the last save

@@ -1,4 +1,5 @@
-"""Per-rank values in a checkpoint: gathered from every rank when it is written, one picked per rank on resume."""
+"""Per-rank values (RNG states, epoch values, stream positions): gathered from every rank when a checkpoint is written,
+one picked per rank on resume."""
 
 from __future__ import annotations
 
@@ -21,3 +22,8 @@ def gather_from_ranks(value: T) -> list[T]:
 def for_rank(values: list[T], rank: int) -> T:
     """The saved value of ``rank`` (rank 0's when the checkpoint was written by fewer ranks)."""
     return values[rank] if rank < len(values) else values[0]
+
+
+def current_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
