@@ -10,6 +10,7 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 
 def is_stateful(loader: Any) -> bool:
@@ -45,13 +46,15 @@ def warn_if_not_resumable(loaders: Any) -> None:
                 "train_dataloader() with `sampler=StatefulDistributedSampler(dataset, shuffle=True, seed=...)` "
                 "(from torchdata.stateful_dataloader.sampler); Lightning keeps a distributed sampler as it is."
             )
-        if getattr(loader, "num_workers", 0) > 0:
+        seeded = getattr(getattr(loader, "dataset", None), "seeds_per_sample", False)  # data.PerSampleSeed
+        if getattr(loader, "num_workers", 0) > 0 and not seeded:
             rank_zero_warn(
                 f"PreemptionCheckpoint: the train loader runs {loader.num_workers} worker processes. Their random "
                 "state is not in the checkpoint: if the dataset's __getitem__ draws random numbers (augmentation), "
                 "the samples trained after a mid-epoch resume get other random draws than in an uninterrupted run "
-                "(the sample order is still exact). Seed such draws from the sample index and the epoch, or augment "
-                "on the main process or the GPU (docs/checkpointing.md, 'Not guaranteed')."
+                "(the sample order is still exact). Wrap the dataset in lightning_accel.data.PerSampleSeed with a "
+                "sampler from tag_epochs() (ResumableDataLoader does it with workers), or augment on the GPU "
+                "(docs/checkpointing.md, 'Augmentation in loader workers')."
             )
         stream = isinstance(getattr(loader, "dataset", None), IterableDataset)
         if stream and isinstance(loader, StatefulDataLoader) and not has_len(loader):
@@ -85,3 +88,26 @@ def warn_if_world_size_changed(saved: int | None, now: int) -> None:
         "and the epoch's logged values start over. Resume at the world size that saved for an exact resume "
         "(docs/checkpointing.md)."
     )
+
+
+def warn_if_epoch_order_is_lost(loaders: Any, epoch: int) -> None:
+    """On a resume in epoch ``epoch`` > 0: a StatefulDataLoader with workers over a StatefulDistributedSampler whose
+    state has no epoch (torchdata's own) shuffles the rest of the epoch in epoch 0's order, since its workers take
+    their first indices before Lightning calls set_epoch."""
+    if epoch == 0:
+        return
+    for loader in flat_loaders(loaders):
+        sampler = getattr(loader, "sampler", None)
+        if (
+            isinstance(loader, StatefulDataLoader)
+            and getattr(loader, "num_workers", 0) > 0
+            and isinstance(sampler, StatefulDistributedSampler)
+            and not getattr(sampler, "epoch_tagged", False)
+        ):
+            rank_zero_warn(
+                f"PreemptionCheckpoint: resuming in epoch {epoch}, this StatefulDataLoader's workers take their first "
+                "indices before Lightning sets the sampler's epoch, and StatefulDistributedSampler does not save its "
+                "epoch: the rest of the epoch comes in epoch 0's order. Pass the sampler through "
+                "lightning_accel.data.tag_epochs() (its state then carries the epoch; pair it with PerSampleSeed), "
+                "or use lightning_accel.ResumableDataLoader."
+            )

@@ -28,7 +28,11 @@ from lightning_accel.checkpoint.epoch_state import (
     restore_metric_states,
     warn_about_unsaved_metrics,
 )
-from lightning_accel.checkpoint.loader_state import warn_if_not_resumable, warn_if_world_size_changed
+from lightning_accel.checkpoint.loader_state import (
+    warn_if_epoch_order_is_lost,
+    warn_if_not_resumable,
+    warn_if_world_size_changed,
+)
 from lightning_accel.checkpoint.retention import KeepLast
 from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng
 from lightning_accel.checkpoint.save_timing import SaveTimer
@@ -195,6 +199,8 @@ class PreemptionCheckpoint(Callback):
             self._run_due_validation(trainer)
         self._last_save = time.monotonic()
         warn_if_not_resumable(trainer.train_dataloader)
+        if self._pending_rng is not None:  # resuming
+            warn_if_epoch_order_is_lost(trainer.train_dataloader, trainer.current_epoch)
         warn_if_world_size_changed(self._saved_world_size, trainer.world_size)
         warn_about_unsaved_metrics(pl_module)
         if trainer.strategy.reduce_boolean_decision(self.stop_signals.received is not None, all=False):  # any rank

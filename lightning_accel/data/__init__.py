@@ -7,6 +7,7 @@ needs the synthetic data (or a machine without DALI) should not pay for it.
 from typing import Any
 
 from lightning_accel.data.resumable import ResumableDataLoader, ResumableSampler
+from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
 from lightning_accel.data.stream import ResumableStreamLoader
 from lightning_accel.data.synthetic import SyntheticClassificationDataModule, SyntheticTokenDataModule
 
@@ -15,6 +16,7 @@ _DALI_NAMES = {"DALIImageDataModule", "DALILoader", "find_unreadable_images", "s
 __all__ = [
     "DALIImageDataModule",
     "DALILoader",
+    "PerSampleSeed",
     "ResumableDataLoader",
     "ResumableSampler",
     "ResumableStreamLoader",
@@ -22,6 +24,7 @@ __all__ = [
     "SyntheticTokenDataModule",
     "find_unreadable_images",
     "scan_image_folder",
+    "tag_epochs",
 ]
 
 

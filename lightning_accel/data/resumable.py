@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
+
 # Every batch drawn from the iterator has been trained on when a checkpoint is written: Lightning's
 # `_PrefetchDataFetcher` only reads ahead for loaders without a length, and this one always has one.
 # (The bitwise resume test in tests/test_checkpoint.py fails if that ever changes.)
@@ -86,6 +88,10 @@ class ResumableDataLoader(DataLoader):
         shuffle: Shuffle with a permutation seeded by ``seed`` and the epoch.
         seed: Seed of the shuffle order.
         drop_last: Drop the last incomplete batch of each rank.
+        per_sample_seed: Seed the random draws of every sample's ``__getitem__`` from (``seed``, epoch, index)
+            (:class:`~lightning_accel.data.seeding.PerSampleSeed`), so augmentation resumes exactly, in loader
+            workers or not (a resumed loader fetches its first batch before the checkpoint's RNG state is back).
+            ``False`` for a dataset that draws nothing, to save the few microseconds per sample.
         **kwargs: Passed to :class:`~torch.utils.data.DataLoader` (``num_workers``, ``pin_memory`` ...).
             ``sampler`` may be given only as a :class:`ResumableSampler`.
     """
@@ -97,6 +103,7 @@ class ResumableDataLoader(DataLoader):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        per_sample_seed: bool = True,
         **kwargs: Any,
     ) -> None:
         if isinstance(dataset, IterableDataset):
@@ -113,6 +120,9 @@ class ResumableDataLoader(DataLoader):
                 f"ResumableDataLoader needs a ResumableSampler, got {type(sampler).__name__}; "
                 "pass shuffle/seed instead of a sampler"
             )
+        if per_sample_seed:
+            dataset, sampler = PerSampleSeed(dataset, seed), tag_epochs(sampler)
+        self.per_sample_seed = per_sample_seed
         # Without a generator of its own, every new iterator draws its workers' base seed from the global
         # torch RNG; seeding one per epoch keeps the global RNG untouched, so an epoch-end resume sees
         # the same global RNG stream as the uninterrupted run.

@@ -37,7 +37,9 @@ class _TensorDataModule(LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         if self.train_set is None:
             raise RuntimeError(f"{type(self).__name__}.train_dataloader() before setup(): call dm.setup('fit') first")
-        return ResumableDataLoader(self.train_set, shuffle=True, seed=self.seed, **self._loader_kwargs())
+        # tensors drawn once at setup: __getitem__ draws nothing, so no per-sample seeding to pay for
+        loader_kwargs = {"per_sample_seed": False, **self._loader_kwargs()}
+        return ResumableDataLoader(self.train_set, shuffle=True, seed=self.seed, **loader_kwargs)
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:

@@ -3,19 +3,20 @@
     python tests/checkpoint/resume_matrix.py CONFIG_JSON OUT_DIR
 
 CONFIG_JSON: {"loader": "resumable"|"stateful"|"dali", "accumulate": 1|3, "val": bool, "async_save": bool,
-"devices": 1|2, "scenarios": [...]} (see SCENARIOS). Every scenario runs attempts in this process, each
-like a fresh run of the same script (seed_everything, new model and data, resume from the newest valid
-checkpoint): an attempt is stopped by a SIGTERM the run sends itself (rank 1 only under DDP) at a chosen
-point, and the next attempt resumes. Writes OUT_DIR/result_rank{R}.json with, per scenario, whether the
-final weights (BatchNorm buffers included), optimizer state, LR and the sequence of trained sample ids
-equal the uninterrupted run's, every epoch value (a self.log mean and a torchmetrics accuracy) and every
-validation's value as each attempt saw them, and the exit codes of the attempts.
+"devices": 1|2, "workers": 0|2, "augment": bool, "scenarios": [...]} (see SCENARIOS). Every scenario runs
+attempts in this process, each like a fresh run of the same script (seed_everything, new model and data,
+resume from the newest valid checkpoint): an attempt is stopped by a SIGTERM the run sends itself (rank 1
+only under DDP) at a chosen point, and the next attempt resumes. Writes OUT_DIR/result_rank{R}.json with, per
+scenario, whether the final weights (BatchNorm buffers included), optimizer state, LR and the sequence of
+trained sample ids equal the uninterrupted run's, every epoch value (a self.log mean and a torchmetrics
+accuracy) and every validation's value as each attempt saw them, and the exit codes of the attempts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ from lightning_accel import (
     find_resume_checkpoint,
 )
 from lightning_accel.checkpoint import Preempted
+from lightning_accel.data import PerSampleSeed, tag_epochs
 from lightning_accel.testing import quiet_trainer_kwargs
 
 BATCH, SAMPLES, VAL_SAMPLES, EPOCHS = 4, 48, 12, 3
@@ -69,18 +71,24 @@ SCENARIOS: dict[str, list[str]] = {
 
 
 class IndexedImages(Dataset):
-    """Seeded 3x6x6 images; item ``i`` is ``(image, label, i)`` so every trained sample is accounted for."""
+    """Seeded 3x6x6 images; item ``i`` is ``(image, label, i)`` so every trained sample is accounted for. With
+    ``augment``, __getitem__ draws noise and a flip from the global generators, as image augmentation does."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 3, 6, 6, generator=g)
         self.y = torch.randint(0, 3, (n,), generator=g)
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[i], self.y[i], i
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.05 * torch.randn_like(x)
+            x = x.flip(-1) if random.random() < 0.5 else x
+        return x, self.y[i], i
 
 
 class ConvNet(LightningModule):
@@ -153,25 +161,34 @@ class StatefulDistributedData(LightningDataModule):
     """What docs/checkpointing.md tells a StatefulDataLoader user under DDP: a StatefulDistributedSampler, built
     in ``train_dataloader()`` (the process group exists by then), so Lightning keeps it instead of wrapping."""
 
-    def __init__(self, train: Dataset, val: Dataset | None) -> None:
+    def __init__(self, train: Dataset, val: Dataset | None, workers: int = 0) -> None:
         super().__init__()
-        self.train, self.val = train, val
+        self.train, self.val, self.workers = train, val, workers
 
     def train_dataloader(self) -> DataLoader:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-
-        return StatefulDataLoader(
-            self.train, batch_size=BATCH, sampler=StatefulDistributedSampler(self.train, shuffle=True, seed=7)
-        )
+        return stateful_loader(self.train, self.workers)
 
     def val_dataloader(self) -> DataLoader | list:
         return DataLoader(self.val, batch_size=BATCH) if self.val is not None else []
 
 
+def stateful_loader(train: Dataset, workers: int, **sampler_kwargs: Any) -> DataLoader:
+    """A StatefulDataLoader over a StatefulDistributedSampler; with augmentation, as docs/checkpointing.md shows:
+    PerSampleSeed and tag_epochs."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    sampler = StatefulDistributedSampler(train, shuffle=True, seed=7, **sampler_kwargs)
+    if getattr(train, "augment", False):
+        train, sampler = PerSampleSeed(train, seed=7), tag_epochs(sampler)
+    return StatefulDataLoader(train, batch_size=BATCH, sampler=sampler, num_workers=workers)
+
+
 def build_data(cfg: dict[str, Any]) -> dict[str, Any]:
     # Every rank sees SAMPLES per epoch, so the stop points below hold for any world size.
-    train, val = IndexedImages(SAMPLES * cfg["devices"], seed=1), IndexedImages(VAL_SAMPLES * cfg["devices"], seed=2)
+    augment, workers = cfg.get("augment", False), cfg.get("workers", 0)
+    train = IndexedImages(SAMPLES * cfg["devices"], seed=1, augment=augment)
+    val = IndexedImages(VAL_SAMPLES * cfg["devices"], seed=2)
     if cfg["loader"] == "dali":
         from lightning_accel.data import DALIImageDataModule
 
@@ -193,13 +210,15 @@ def build_data(cfg: dict[str, Any]) -> dict[str, Any]:
         )
         return {"datamodule": dm}
     if cfg["loader"] == "stateful" and cfg["devices"] > 1:
-        return {"datamodule": StatefulDistributedData(train, val if cfg["val"] else None)}
-    if cfg["loader"] == "stateful":
+        return {"datamodule": StatefulDistributedData(train, val if cfg["val"] else None, workers)}
+    if cfg["loader"] == "stateful" and augment:
+        loader: DataLoader = stateful_loader(train, workers, num_replicas=1, rank=0)
+    elif cfg["loader"] == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        loader: DataLoader = StatefulDataLoader(train, batch_size=BATCH, shuffle=True)
+        loader = StatefulDataLoader(train, batch_size=BATCH, shuffle=True, num_workers=workers)
     else:
-        loader = ResumableDataLoader(train, batch_size=BATCH, shuffle=True, seed=7)
+        loader = ResumableDataLoader(train, batch_size=BATCH, shuffle=True, seed=7, num_workers=workers)
     data: dict[str, Any] = {"train_dataloaders": loader}
     if cfg["val"]:
         data["val_dataloaders"] = DataLoader(val, batch_size=BATCH)

@@ -30,22 +30,25 @@ def scenarios(accumulate: int, val: bool) -> list[str]:
     return EVERY + (WITH_VALIDATION if val else []) + (WITH_ACCUMULATION if accumulate > 1 else [])
 
 
-# (loader, accumulate, validation, async_save, devices): all pairs of the first four are covered.
+# (loader, accumulate, validation, async_save, devices, workers): all pairs of the first four are covered; the
+# configs with workers also augment in __getitem__ (random noise and flips, seeded per sample).
 CONFIGS = [
-    ("resumable", 1, False, False, 1),
-    ("resumable", 3, True, True, 1),
-    ("stateful", 1, True, True, 1),
-    ("stateful", 3, False, False, 1),
-    ("dali", 1, True, False, 1),
-    ("dali", 3, False, True, 1),
-    ("resumable", 3, True, False, 2),
-    ("dali", 1, True, True, 2),
-    ("stateful", 1, True, True, 2),  # StatefulDistributedSampler, as docs/checkpointing.md says
+    ("resumable", 1, False, False, 1, 0),
+    ("resumable", 3, True, True, 1, 0),
+    ("stateful", 1, True, True, 1, 0),
+    ("stateful", 3, False, False, 1, 0),
+    ("dali", 1, True, False, 1, 0),
+    ("dali", 3, False, True, 1, 0),
+    ("resumable", 3, True, False, 2, 0),
+    ("dali", 1, True, True, 2, 0),
+    ("stateful", 1, True, True, 2, 0),  # StatefulDistributedSampler, as docs/checkpointing.md says
+    ("resumable", 1, True, True, 1, 2),
+    ("stateful", 3, True, False, 1, 2),  # PerSampleSeed + tag_epochs, as docs/checkpointing.md says
 ]
 
 
 def run_matrix(
-    tmp_path: Path, loader: str, accumulate: int, val: bool, async_save: bool, devices: int
+    tmp_path: Path, loader: str, accumulate: int, val: bool, async_save: bool, devices: int, workers: int
 ) -> dict[int, dict]:
     cfg = {
         "loader": loader,
@@ -53,6 +56,8 @@ def run_matrix(
         "val": val,
         "async_save": async_save,
         "devices": devices,
+        "workers": workers,
+        "augment": workers > 0,
         "scenarios": scenarios(accumulate, val),
     }
     proc = subprocess.run(
@@ -68,11 +73,13 @@ def run_matrix(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("loader", "accumulate", "val", "async_save", "devices"), CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    ("loader", "accumulate", "val", "async_save", "devices", "workers"), CONFIGS, ids=lambda v: str(v)
+)
 def test_interrupted_runs_end_bitwise_equal_to_the_uninterrupted_run(
-    tmp_path, loader, accumulate, val, async_save, devices
+    tmp_path, loader, accumulate, val, async_save, devices, workers
 ):
-    results = run_matrix(tmp_path, loader, accumulate, val, async_save, devices)
+    results = run_matrix(tmp_path, loader, accumulate, val, async_save, devices, workers)
     for rank, by_scenario in results.items():
         assert sorted(by_scenario) == sorted(scenarios(accumulate, val))
         for name, r in by_scenario.items():
