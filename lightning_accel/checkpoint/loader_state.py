@@ -57,12 +57,13 @@ def warn_if_not_resumable(loaders: Any) -> None:
                 "(docs/checkpointing.md, 'Augmentation in loader workers')."
             )
         stream = isinstance(getattr(loader, "dataset", None), IterableDataset)
-        if stream and isinstance(loader, StatefulDataLoader) and not has_len(loader):
+        read_ahead_lost = not getattr(loader, "accounts_for_read_ahead", False)  # data.ResumableStreamLoader
+        if stream and isinstance(loader, StatefulDataLoader) and not has_len(loader) and read_ahead_lost:
             rank_zero_warn(
                 "PreemptionCheckpoint: Lightning reads one batch ahead of a loader without a length, and "
                 "StatefulDataLoader saves its stream's state with that batch already taken: a resume skips one batch. "
-                "Use lightning_accel.ResumableStreamLoader (it saves the state from before the read-ahead; "
-                "num_workers=0), or give the stream a __len__."
+                "Use lightning_accel.ResumableStreamLoader (a StatefulDataLoader that saves the state from before "
+                "the read-ahead), or give the stream a __len__."
             )
         if not is_stateful(loader):
             fix = (

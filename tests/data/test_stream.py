@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, ResumableStreamLoader, find_resume_checkpoint
@@ -21,7 +21,8 @@ from tests.conftest import tiny_trainer_kwargs
 
 class Stream(IterableDataset):
     """A stream of 60 samples an epoch, its position in state_dict(); each sample carries its id and a random flip
-    drawn from a generator seeded by the id (augmentation that does not depend on where the run was cut)."""
+    drawn from a generator seeded by the id (augmentation that does not depend on where the run was cut). In loader
+    workers each takes every n-th sample (its shard), its position its own."""
 
     def __init__(self, n: int = 60) -> None:
         self.n, self.pos = n, 0
@@ -29,9 +30,13 @@ class Stream(IterableDataset):
         self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 2, (n,), generator=g)
 
     def __iter__(self):
+        info = get_worker_info()
+        shard, shards = (info.id, info.num_workers) if info is not None else (0, 1)
         while self.pos < self.n:
             i = self.pos
             self.pos += 1
+            if i % shards != shard:
+                continue
             flip = torch.rand((), generator=torch.Generator().manual_seed(i)) < 0.5
             yield (-self.x[i] if flip else self.x[i]), self.y[i], i
         self.pos = 0  # the next epoch starts over
@@ -99,6 +104,24 @@ def test_loaders_that_cannot_resume_a_stream_say_what_to_use(tmp_path):
         ResumableDataLoader(Stream(), batch_size=4)
     with pytest.raises(ValueError, match="needs num_workers=0, got 2"):
         ResumableStreamLoader(Stream(), num_workers=2)
+    with pytest.raises(ValueError, match="snapshots its workers after every batch, got snapshot_every_n_steps=5"):
+        ResumableStreamLoader(Stream(), snapshot_every_n_steps=5)
+
+
+@pytest.mark.multiprocess
+def test_statefuldataloader_workers_repeat_a_stream_resumed_near_an_epochs_end(tmp_path):
+    """Why ResumableStreamLoader refuses workers, measured: StatefulDataLoader with 2 workers (one shard already
+    exhausted), saved from before the read-ahead, resumes and trains 30 samples of the next epoch twice."""
+
+    class WithWorkers(ResumableStreamLoader):
+        def __init__(self, dataset, batch_size=1, num_workers=0):
+            StatefulDataLoader.__init__(self, dataset, batch_size=batch_size, num_workers=2, snapshot_every_n_steps=1)
+            self._before_pull = None
+
+    whole = fit(tmp_path / "whole", WithWorkers)
+    first = fit(tmp_path / "cut", WithWorkers, stop_at=14)
+    resumed = fit(tmp_path / "cut", WithWorkers, ckpt_path=find_resume_checkpoint(tmp_path / "cut" / "ck"))
+    assert len(first.seen + resumed.seen) == len(whole.seen) + 30
 
     class NoState(IterableDataset):
         def __iter__(self):
