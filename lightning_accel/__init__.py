@@ -16,13 +16,19 @@ from lightning_accel.data import (
 from lightning_accel.monitor import GoodputMonitor, PrometheusExporter, UtilizationMonitor
 from lightning_accel.precision import auto_precision, choose_precision
 from lightning_accel.profile import Finding, TorchProfiler, diagnose
-from lightning_accel.strategies import PRESETS, close_gloo_process_group_at_exit, register_presets
+from lightning_accel.strategies import (
+    PRESETS,
+    ActivationCheckpointing,
+    close_gloo_process_group_at_exit,
+    register_presets,
+)
 
 register_presets()
 
 __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
+    "ActivationCheckpointing",
     "AtomicCheckpointIO",
     "Finding",
     "GoodputMonitor",

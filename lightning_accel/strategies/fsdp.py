@@ -19,31 +19,15 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 
 from lightning_accel._compat import materialize_distributed_module, optimizers_to_device, set_data_parallel_size
+from lightning_accel.strategies.activation_checkpointing import checkpoint_blocks
+from lightning_accel.strategies.blocks import find_block_classes
 from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit, init_restart_safe_process_group
 
 log = logging.getLogger(__name__)
-
-
-def find_block_classes(model: nn.Module, names: Sequence[str] | None = None) -> set[type[nn.Module]]:
-    """Module classes to shard one by one: ``names`` if given, else the classes held in ``nn.ModuleList``s."""
-    if names:
-        found = {type(m) for m in model.modules() if type(m).__name__ in set(names)}
-        missing = set(names) - {c.__name__ for c in found}
-        if missing:
-            raise ValueError(f"block_classes {sorted(missing)} do not occur in {type(model).__name__}")
-        return found
-    return {
-        type(child)
-        for m in model.modules()
-        if isinstance(m, nn.ModuleList)
-        for child in m
-        if any(True for _ in child.parameters())
-    }
 
 
 class AccelFSDPStrategy(ModelParallelStrategy):
@@ -91,7 +75,7 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         if not blocks:
             log.warning("no repeated blocks found in %s: sharding it as one unit", type(module).__name__)
         if self.activation_checkpointing and blocks:
-            apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, tuple(blocks)))
+            checkpoint_blocks(module, set(blocks), "full")
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if self.mixed_precision

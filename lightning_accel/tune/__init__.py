@@ -24,7 +24,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_accel.compile import TorchCompile
 from lightning_accel.recipe import AccelTrainer, build_cli
-from lightning_accel.strategies.fsdp import find_block_classes
+from lightning_accel.strategies.blocks import find_block_classes
 from lightning_accel.tune.config import TuneConfig, parse_budget
 from lightning_accel.tune.report import plot, print_report, trial_line, wide_console, write_json, write_tuned_yaml
 from lightning_accel.tune.search import Search, Trial, TuneResult, data_knobs, pickle_objects

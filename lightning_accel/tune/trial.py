@@ -28,7 +28,7 @@ from lightning_accel.compile import TorchCompile
 from lightning_accel.monitor.batches import default_batch_size
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.recipe import AccelTrainer, build_cli
-from lightning_accel.strategies.fsdp import find_block_classes
+from lightning_accel.strategies.blocks import find_block_classes
 
 log = logging.getLogger(__name__)
 
