@@ -5,7 +5,9 @@ vectors, trained without checkpointing, with ``ActivationCheckpointing("full")``
 variant runs in its own process (its peak resident memory is then its own), in alternating rounds; reported: the
 median step time and the peak RSS growth over the model's own footprint, as ratios to no checkpointing.
 
-    python -m benchmarks.activation_checkpointing [--rounds 3] [--steps 12]
+    python -m benchmarks.activation_checkpointing [--rounds 3] [--steps 12] [--gpu] [--out DIR]
+
+On a GPU (``--gpu``, run by benchmarks/gpu_check.sh) the memory is CUDA's peak allocation over the model's own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -49,58 +52,75 @@ class Stack(nn.Module):
         return x
 
 
-def one_variant(variant: str, steps: int) -> dict[str, float]:
-    """Train ``steps`` steps in this process; its step times and peak RSS."""
+def one_variant(variant: str, steps: int, gpu: bool = False) -> dict[str, float]:
+    """Train ``steps`` steps in this process; its step times and peak memory growth (RSS, or CUDA's on a GPU)."""
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = Stack()
+    device = torch.device("cuda" if gpu else "cpu")
+    model = Stack().to(device)
     if variant != "none":
         checkpoint_blocks(model, find_block_classes(model), variant)  # type: ignore[arg-type]
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(TOKENS, WIDTH)
-    base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    x = torch.randn(TOKENS * (8 if gpu else 1), WIDTH, device=device)
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize()
+
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     times = []
     for _ in range(steps):
+        sync()
         start = time.perf_counter()
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
+        sync()
         times.append(time.perf_counter() - start)
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"step_s": statistics.median(times[2:]), "peak_growth_mb": (peak_kb - base_kb) / 1024}
+    peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"step_s": statistics.median(times[2:]), "peak_growth_mb": (peak - base) / 2**20}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--gpu", action="store_true", help="on the first CUDA device (CUDA's peak allocation)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one run, in a child process
     args = parser.parse_args()
     if args.variant:
-        print(json.dumps(one_variant(args.variant, args.steps)))
+        print(json.dumps(one_variant(args.variant, args.steps, args.gpu)))
         return
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for round_ in range(args.rounds):
         for variant in VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]:  # a rotating order
             cmd = [sys.executable, "-m", "benchmarks.activation_checkpointing", "--variant", variant]
+            cmd += ["--gpu"] if args.gpu else []
             out = subprocess.run([*cmd, "--steps", str(args.steps)], capture_output=True, text=True, check=True)
             runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
     step = {v: statistics.median(r["step_s"] for r in runs[v]) for v in VARIANTS}
     memory = {v: statistics.median(r["peak_growth_mb"] for r in runs[v]) for v in VARIANTS}
     result = {
-        "model": {"width": WIDTH, "depth": DEPTH, "tokens": TOKENS},
+        "device": "cuda" if args.gpu else "cpu",
+        "model": {"width": WIDTH, "depth": DEPTH, "tokens": TOKENS * (8 if args.gpu else 1)},
         "step_s": step,
         "peak_growth_mb": memory,
         "step_time_ratio": {v: step[v] / step["none"] for v in VARIANTS},
         "memory_ratio": {v: memory[v] / memory["none"] for v in VARIANTS},
         "runs": runs,
     }
-    path = write_json("activation_checkpointing", result)
-    plot(result)
+    name = "activation_checkpointing" + ("_gpu" if args.gpu else "")
+    path = write_json(name, result, args.out)
+    plot(result, args.out / f"{name}.png")
     print(f"{path}: " + ", ".join(f"{v}: {step[v] * 1e3:.0f} ms/step, +{memory[v]:.0f} MB peak" for v in VARIANTS))
 
 
-def plot(result: dict) -> None:
+def plot(result: dict, path: Path) -> None:
     from lightning_accel.figures import pyplot
 
     plt = pyplot()
@@ -112,8 +132,8 @@ def plot(result: dict) -> None:
         bars = ax.bar(list(result[key]), list(result[key].values()), color=["#4C72B0", "#DD8452", "#55A868"])
         ax.bar_label(bars, fmt="%.2f")
         ax.set_ylabel(label)
-    fig.suptitle("activation checkpointing on the CPU")
-    save_figure(fig, RESULTS / "activation_checkpointing.png")
+    fig.suptitle(f"activation checkpointing on the {result['device'].upper()}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ step() {  # step NAME SECONDS command...: each section is bounded and never stop
 }
 
 # 1. fp32 eager vs bf16-mixed vs compiled on the tiny-GPT recipe's model (steps/s, MFU)
-step precision_compile 130 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
+step precision_compile 105 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
 step gpu_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/monitor/test_utilization.py \
   "tests/monitor/test_goodput.py::test_gpu_kernels_are_charged_to_compute" \
@@ -81,5 +81,7 @@ step doctor 50 bash -c "$PY -m pytest -q -p no:cacheprovider \
 #    modes, pinned memory, the batch up to the memory limit (a short budget: a smoke run of the search)
 step tune 30 $PY -m lightning_accel.cli tune --config recipes/tiny_gpt_gpu.yaml --budget 25s --measure-s 1 \
   --out "$RES/tune/tuned.yaml"
+# 9. activation checkpointing on the GPU: CUDA's peak allocation vs step time, none / full / selective
+step activation_checkpointing 25 $PY -m benchmarks.activation_checkpointing --gpu --rounds 1 --steps 8 --out "$RES"
 pack
 echo "== gpu_check summary =="; cat "$RES/status.txt"
