@@ -181,3 +181,33 @@ def test_the_steps_progress_bar_overrides_a_method_lightning_still_has(tmp_path)
     trainer.fit_loop.max_epochs = -1  # what a fit bounded by max_steps runs with
     assert bar._get_train_description(0).strip() == "Epoch 0"
     assert RichProgressBar._get_train_description(bar, 0).strip() == "Epoch 0/-2"  # Lightning's own
+
+
+def test_the_private_names_behind_exact_resume_are_still_there(tmp_path):
+    """By name, what _compat's exact-resume helpers reach (each is also exercised end to end by
+    tests/checkpoint/test_curves.py, test_due_validation.py and test_edge_cases.py)."""
+    seen = {}
+
+    class Probe(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("loss_epoch_mean", out["loss"], on_step=False, on_epoch=True)
+            return out
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            trainer = self.trainer
+            seen["due"] = _compat.validation_due_after_this_batch(trainer)
+            seen["results"] = _compat.running_epoch_results(trainer)
+            seen["connector"] = all(
+                callable(getattr(trainer._logger_connector, n, None))
+                for n in ("on_batch_end", "update_train_step_metrics")
+            )
+            seen["handlers"] = isinstance(trainer._signal_connector._original_handlers, dict)
+            loop = trainer.fit_loop.epoch_loop
+            seen["loops"] = callable(loop.update_lr_schedulers) and hasattr(loop.val_loop, "restarting")
+
+    trainer = Trainer(**quiet_trainer_kwargs(max_steps=2, default_root_dir=str(tmp_path)))
+    trainer.fit(Probe())
+    assert seen["due"] is False and seen["connector"] and seen["handlers"] and seen["loops"]
+    entry = seen["results"]["training_step.loss_epoch_mean"]
+    assert entry["reduction"] == "mean" and entry["cumulated_batch_size"] > 0
