@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ GOODPUT_KEYS = (
     "goodput/slowest_rank",
 )
 METRIC_KEYS = THROUGHPUT_KEYS + GOODPUT_KEYS  # everything GoodputMonitor logs and exports
+STRAGGLER_WINDOW = 8  # logging intervals each rank's step time is the median of
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class GoodputAccounting:
         self.lost_s = 0.0
         self.straggler_ratio: float | None = None
         self.slowest_rank: int | None = None
+        self._rank_times: deque[list[float]] = deque(maxlen=STRAGGLER_WINDOW)
         self.carried = dict.fromkeys(BUCKETS, 0.0)  # seconds of earlier attempts (from the checkpoint)
         self.resumed = False
         self._redo_until: int | None = None
@@ -142,10 +145,16 @@ class GoodputAccounting:
         return (data + after.forward_s - before.forward_s) / steps
 
     def set_rank_step_times(self, per_rank: list[float]) -> None:
-        """Every rank's :meth:`own_step_time`, in rank order: the slowest and its ratio to the median."""
-        median = statistics.median(per_rank)
-        self.slowest_rank = max(range(len(per_rank)), key=per_rank.__getitem__)
-        self.straggler_ratio = per_rank[self.slowest_rank] / median if median > 0 else 1.0
+        """Every rank's :meth:`own_step_time` over one logging interval, in rank order. Each rank's time is the
+        median of its last :data:`STRAGGLER_WINDOW` intervals, so one slow interval (a hiccup) names no straggler;
+        the slowest rank and its ratio to the median of all ranks' are kept."""
+        if self._rank_times and len(self._rank_times[-1]) != len(per_rank):
+            self._rank_times.clear()  # another world size: earlier intervals do not compare
+        self._rank_times.append(list(per_rank))
+        medians = [statistics.median(interval[r] for interval in self._rank_times) for r in range(len(per_rank))]
+        overall = statistics.median(medians)
+        self.slowest_rank = max(range(len(medians)), key=medians.__getitem__)
+        self.straggler_ratio = medians[self.slowest_rank] / overall if overall > 0 else 1.0
 
     # -- metrics ------------------------------------------------------------------------------------
     def rates(self, before: Mark, after: Mark, world_size: int = 1) -> dict[str, float]:

@@ -20,6 +20,7 @@ OTHER_SHARE = 0.20
 DISPATCH_S = 5e-6  # host time PyTorch eager spends per op before any compute (dispatch, autograd bookkeeping)
 HOST_SHARE = 0.10  # estimated dispatch share of the step above which compile / larger batches pay
 GPU_BUSY = 0.90
+STRAGGLER_RATIO = 1.2  # the slowest rank's pre-sync step time over the median rank's
 MEMORY_HEADROOM = 0.5  # peak under half the device's memory
 STEP_PHASES = ("forward", "backward", "optimizer")
 MODEL_PHASES = ("forward", "backward")  # host reads here are the model's (an optimizer's are its own business)
@@ -223,6 +224,21 @@ def memory_headroom_rule(run: RunFacts) -> Finding | None:
     )
 
 
+def straggler_rule(run: RunFacts) -> Finding | None:
+    ratio, rank = run.goodput.get("goodput/straggler_ratio"), run.goodput.get("goodput/slowest_rank")
+    if ratio is None or rank is None or ratio < STRAGGLER_RATIO:
+        return None
+    return Finding(
+        "straggler",
+        1.0 - 1.0 / ratio,  # of the slowest rank's pre-sync time, what the others spend waiting for it
+        {"slowest_rank": int(rank), "straggler_ratio": ratio},
+        f"Rank {int(rank)} spends {ratio:.2f}x the median rank's time per step before the gradient sync (its data, "
+        "transfer and forward), and every other rank waits for it: check that host's load (another job, thermal "
+        "throttling, a slower device), its data path (local disk or network, loader workers) and the size of its "
+        "input shard.",
+    )
+
+
 def compute_verdict(run: RunFacts) -> Finding:
     """Where a run should be: the verdict when no rule found a larger cost."""
     compute = run.share("compute")
@@ -246,4 +262,5 @@ RULES: dict[str, Callable[[RunFacts], Finding | None]] = {
     "low_utilization": low_utilization_rule,
     "precision": precision_rule,
     "memory_headroom": memory_headroom_rule,
+    "straggler": straggler_rule,
 }

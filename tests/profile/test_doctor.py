@@ -34,6 +34,7 @@ KINDS = {
     "low_utilization",
     "precision",
     "memory_headroom",
+    "straggler",
     "compute",
 }
 
@@ -79,13 +80,22 @@ def test_each_kind_is_raised_by_its_evidence_and_ranked_by_share():
     assert found["precision"].share == pytest.approx(0.35) and "bf16-mixed" in found["precision"].fix
     assert "5.6x larger" in found["memory_headroom"].fix
     assert ".item()" in found["sync"].fix
-    assert set(found) | {"input", "checkpoint", "validation", "host_overhead", "compute"} == KINDS
+    assert set(found) | {"input", "checkpoint", "validation", "host_overhead", "straggler", "compute"} == KINDS
     # the same on a CPU: no GPU-only findings (CUDA syncs without a read in the model's code cannot happen there)
     assert not {"sync", "low_utilization", "precision"} & set(kinds(diagnose(goodput(compute=0.7), profile)))
     # HolisticTraceAnalysis's idle share, where it read the trace, is the utilization
     hta = diagnose(gpu, {**profile, "hta": {"gpu_idle_share": 0.25, "kernel_type_share": {"COMPUTATION": 0.9}}})
     low = next(f for f in hta if f.kind == "low_utilization")
     assert low.share == pytest.approx(0.25) and low.evidence["kernel_type_share"] == {"COMPUTATION": 0.9}
+
+
+def test_a_straggling_rank_is_named_with_what_to_check():
+    slow = {**goodput(compute=0.8), "goodput/straggler_ratio": 1.5, "goodput/slowest_rank": 3.0}
+    (finding,) = [f for f in diagnose(slow) if f.kind == "straggler"]
+    assert finding.share == pytest.approx(1 - 1 / 1.5) and finding.evidence["slowest_rank"] == 3
+    assert finding.fix.startswith("Rank 3 spends 1.50x the median rank's time") and "host's load" in finding.fix
+    balanced = {**goodput(compute=0.8), "goodput/straggler_ratio": 1.1, "goodput/slowest_rank": 0.0}
+    assert "straggler" not in kinds(diagnose(balanced))  # under 1.2x: noise between ranks, not a straggler
 
 
 class SlowData(Dataset):

@@ -1,0 +1,26 @@
+"""GoodputAccounting without a Trainer: the straggler figure is robust to one slow interval."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_accel.monitor.accounting import STRAGGLER_WINDOW, GoodputAccounting
+
+
+def test_one_slow_interval_names_no_straggler_and_a_steadily_slow_rank_is_named():
+    acc = GoodputAccounting()
+    for _ in range(5):
+        acc.set_rank_step_times([0.010, 0.010, 0.010, 0.010])
+    acc.set_rank_step_times([0.010, 0.010, 0.050, 0.010])  # one hiccup on rank 2
+    assert acc.straggler_ratio == pytest.approx(1.0)  # the median of rank 2's intervals is still 10 ms
+    for _ in range(STRAGGLER_WINDOW):
+        acc.set_rank_step_times([0.010, 0.013, 0.010, 0.010])  # rank 1 30% slower, every interval
+    assert acc.slowest_rank == 1 and acc.straggler_ratio == pytest.approx(1.3)
+    assert acc.goodput()["goodput/slowest_rank"] == 1.0
+
+
+def test_a_changed_world_size_starts_the_window_over():
+    acc = GoodputAccounting()
+    acc.set_rank_step_times([0.01, 0.02])
+    acc.set_rank_step_times([0.01, 0.01, 0.03])
+    assert acc.slowest_rank == 2 and acc.straggler_ratio == pytest.approx(3.0)
