@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -120,7 +121,6 @@ class PreemptionCheckpoint(Callback):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive or None, got {value}")
         self.stop_signals = StopSignals(signals)
-        self.signals = self.stop_signals.signals
         self.save_timer = SaveTimer(grace_period_s)
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
@@ -140,6 +140,10 @@ class PreemptionCheckpoint(Callback):
         self._pending_epoch_state: list[EpochState] | None = None  # every rank's, until the first resumed batch
         self._pending_results: PendingResults | None = None  # logged values not yet folded into the resumed epoch
         self._validation_due = False  # after the batch being saved by save(); after the one resumed from, on load
+
+    @property
+    def signals(self) -> list[signal.Signals]:
+        return self.stop_signals.signals
 
     @property
     def keep_last(self) -> int | None:

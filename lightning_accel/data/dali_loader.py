@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from PIL import Image
+
+from lightning_accel.ranks import gather_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +156,8 @@ class DALILoader:
         Lightning writes the checkpoint from rank 0 only, so each rank's pipeline state (its own reader
         position and augmentation generators) is gathered here; it calls this on every rank.
         """
-        own = self.iterator.checkpoints()[0]
-        state: dict[str, Any] = {"dali_checkpoints": [own], "batches_in_epoch": self._handed}
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (self.shard_id, own))
-            by_shard = dict(gathered)
-            state["dali_checkpoints"] = [by_shard[i] for i in sorted(by_shard)]
-        return state
+        by_shard = dict(gather_from_ranks((self.shard_id, self.iterator.checkpoints()[0])))
+        return {"dali_checkpoints": [by_shard[i] for i in sorted(by_shard)], "batches_in_epoch": self._handed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Rebuild the pipeline from this shard's checkpoint made by :meth:`state_dict`."""

@@ -70,7 +70,6 @@ class ResumableStreamLoader(StatefulDataLoader):
         return self._tracked(super().__iter__())
 
     def _tracked(self, batches: Iterator[Any]) -> Iterator[Any]:
-        self._before_pull = None
         while True:
             self._before_pull = copy.deepcopy(super().state_dict())
             try:

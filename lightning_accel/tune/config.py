@@ -108,10 +108,13 @@ _TYPES = {"int | None": int, "int": int, "float": float, "Path | None": Path, "s
 
 def add_cli_options(parser: argparse.ArgumentParser) -> None:
     """``--budget``, ``--max-batch`` ... with each field's docstring as its help and its default."""
+    owners = {owner for owner, _ in _CLI_FIELDS}
+    fields = {owner: {f.name: f for f in dataclasses.fields(owner)} for owner in owners}
+    docs = {owner: field_docs(owner) for owner in owners}  # each class's source parsed once
     for owner, name in _CLI_FIELDS:
-        spec = {f.name: f for f in dataclasses.fields(owner)}[name]
+        spec = fields[owner][name]
         default = spec.default
-        help_text = field_docs(owner)[name]
+        help_text = docs[owner][name]
         flag = "--" + name.replace("_", "-")
         if spec.type == "bool":
             parser.add_argument(flag, dest=name, action="store_true", help=help_text)
