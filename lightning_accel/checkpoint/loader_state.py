@@ -46,17 +46,23 @@ def warn_if_not_resumable(loaders: Any) -> None:
                 "train_dataloader() with `sampler=StatefulDistributedSampler(dataset, shuffle=True, seed=...)` "
                 "(from torchdata.stateful_dataloader.sampler); Lightning keeps a distributed sampler as it is."
             )
+        stream = isinstance(getattr(loader, "dataset", None), IterableDataset)
         seeded = getattr(getattr(loader, "dataset", None), "seeds_per_sample", False)  # data.PerSampleSeed
         if getattr(loader, "num_workers", 0) > 0 and not seeded:
+            fix = (
+                "Draw a stream's random numbers from a generator seeded by the sample's own id, as "
+                "docs/checkpointing.md 'Streams' shows"
+                if stream
+                else "Wrap the dataset in lightning_accel.data.PerSampleSeed with a sampler from tag_epochs() "
+                "(ResumableDataLoader does it with workers), or augment on the GPU"
+            )
+            where = "the stream" if stream else "the dataset's __getitem__"
             rank_zero_warn(
                 f"PreemptionCheckpoint: the train loader runs {loader.num_workers} worker processes. Their random "
-                "state is not in the checkpoint: if the dataset's __getitem__ draws random numbers (augmentation), "
+                f"state is not in the checkpoint: if {where} draws random numbers (augmentation), "
                 "the samples trained after a mid-epoch resume get other random draws than in an uninterrupted run "
-                "(the sample order is still exact). Wrap the dataset in lightning_accel.data.PerSampleSeed with a "
-                "sampler from tag_epochs() (ResumableDataLoader does it with workers), or augment on the GPU "
-                "(docs/checkpointing.md, 'Augmentation in loader workers')."
+                f"(the sample order is still exact). {fix} (docs/checkpointing.md, 'Augmentation in loader workers')."
             )
-        stream = isinstance(getattr(loader, "dataset", None), IterableDataset)
         read_ahead_lost = not getattr(loader, "accounts_for_read_ahead", False)  # data.ResumableStreamLoader
         if stream and isinstance(loader, StatefulDataLoader) and not has_len(loader) and read_ahead_lost:
             rank_zero_warn(

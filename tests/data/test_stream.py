@@ -3,6 +3,10 @@ Lightning reads a batch ahead; the loaders that cannot say so at run time."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -65,28 +69,46 @@ class Net(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(root: Path, loader_class: type, stop_at: int | None = None, ckpt_path: str | None = None) -> Net:
+def fit(
+    root: Path, loader_class: type, stop_at: int | None = None, ckpt_path: str | None = None, **loader_kwargs
+) -> Net:
     torch.manual_seed(0)
     model = Net()
     callbacks = [PreemptionCheckpoint(root / "ck"), *([SigtermAt(stop_at)] if stop_at is not None else [])]
     trainer = Trainer(**tiny_trainer_kwargs(root, max_epochs=2, callbacks=callbacks))
     try:
-        trainer.fit(model, loader_class(Stream(), batch_size=4), ckpt_path=ckpt_path)
+        trainer.fit(model, loader_class(Stream(), batch_size=4, **loader_kwargs), ckpt_path=ckpt_path)
     except Preempted:
         pass
     return model
 
 
-# mid-epoch; the epoch's last batch (the save moves to the next epoch's first step); in the second epoch
-@pytest.mark.parametrize("stop_at", [3, 14, 20])
-def test_a_stream_resumes_with_no_sample_skipped_or_repeated(tmp_path, stop_at):
-    whole = fit(tmp_path / "whole", ResumableStreamLoader)
-    assert whole.seen == list(range(60)) * 2
-    first = fit(tmp_path / "cut", ResumableStreamLoader, stop_at=stop_at)
-    resumed = fit(tmp_path / "cut", ResumableStreamLoader, ckpt_path=find_resume_checkpoint(tmp_path / "cut" / "ck"))
+def assert_resumes_exactly(root: Path, stop_at: int, **loader_kwargs) -> None:
+    whole = fit(root / "whole", ResumableStreamLoader, **loader_kwargs)
+    assert sorted(whole.seen[:60]) == sorted(whole.seen[60:]) == list(range(60))  # every sample once an epoch
+    first = fit(root / "cut", ResumableStreamLoader, stop_at=stop_at, **loader_kwargs)
+    resumed = fit(
+        root / "cut", ResumableStreamLoader, ckpt_path=find_resume_checkpoint(root / "cut" / "ck"), **loader_kwargs
+    )
+    assert 0 < len(first.seen) < len(whole.seen)
     assert first.seen + resumed.seen == whole.seen  # the batch Lightning read ahead is trained after the resume
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+# mid-epoch; the epoch's last batch (the save moves to the next epoch's first step); in the second epoch
+@pytest.mark.parametrize("stop_at", [3, 14, 20])
+def test_a_stream_resumes_with_no_sample_skipped_or_repeated(tmp_path, stop_at):
+    assert_resumes_exactly(tmp_path, stop_at)
+
+
+@pytest.mark.multiprocess
+def test_a_stream_in_loader_workers_resumes_exactly_even_after_one_shard_ended(tmp_path):
+    """Two workers, each its own shard of 30 (8 batches, the last of 2). Cut at 3 (mid-epoch), at 14 (worker 1's
+    shard has ended, worker 0's has not: without the ended flag worker 1 would replay its 30 samples) and at 20
+    (second epoch). One process covers the three cuts."""
+    for stop_at in (3, 14, 20):
+        assert_resumes_exactly(tmp_path / str(stop_at), stop_at, num_workers=2)
 
 
 def test_stateful_dataloader_over_a_stream_skips_the_read_ahead_batch_and_says_so(tmp_path):
@@ -102,27 +124,11 @@ def test_stateful_dataloader_over_a_stream_skips_the_read_ahead_batch_and_says_s
 def test_loaders_that_cannot_resume_a_stream_say_what_to_use(tmp_path):
     with pytest.raises(TypeError, match=r"use lightning_accel\.ResumableStreamLoader for an IterableDataset"):
         ResumableDataLoader(Stream(), batch_size=4)
-    with pytest.raises(ValueError, match="needs num_workers=0, got 2"):
-        ResumableStreamLoader(Stream(), num_workers=2)
     with pytest.raises(ValueError, match="snapshots its workers after every batch, got snapshot_every_n_steps=5"):
         ResumableStreamLoader(Stream(), snapshot_every_n_steps=5)
 
 
-@pytest.mark.multiprocess
-def test_statefuldataloader_workers_repeat_a_stream_resumed_near_an_epochs_end(tmp_path):
-    """Why ResumableStreamLoader refuses workers, measured: StatefulDataLoader with 2 workers (one shard already
-    exhausted), saved from before the read-ahead, resumes and trains 30 samples of the next epoch twice."""
-
-    class WithWorkers(ResumableStreamLoader):
-        def __init__(self, dataset, batch_size=1, num_workers=0):
-            StatefulDataLoader.__init__(self, dataset, batch_size=batch_size, num_workers=2, snapshot_every_n_steps=1)
-            self._before_pull = None
-
-    whole = fit(tmp_path / "whole", WithWorkers)
-    first = fit(tmp_path / "cut", WithWorkers, stop_at=14)
-    resumed = fit(tmp_path / "cut", WithWorkers, ckpt_path=find_resume_checkpoint(tmp_path / "cut" / "ck"))
-    assert len(first.seen + resumed.seen) == len(whole.seen) + 30
-
+def test_a_stream_without_state_is_refused_and_a_plain_dataloader_warns(tmp_path):
     class NoState(IterableDataset):
         def __iter__(self):
             yield from range(3)
@@ -133,3 +139,25 @@ def test_statefuldataloader_workers_repeat_a_stream_resumed_near_an_epochs_end(t
         warnings.simplefilter("always")
         fit(tmp_path, DataLoader)
     assert any("Use lightning_accel.ResumableStreamLoader over a stream" in str(w.message) for w in record)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("workers", "stop_at"), [(0, 11), (2, 5)])
+def test_a_stream_resumes_exactly_on_two_ddp_ranks(tmp_path, workers, stop_at):
+    """2 gloo ranks, each its own half of the stream (and, with workers, each worker its quarter); the SIGTERM
+    reaches rank 1 only. Each rank trains the same ids as in the uninterrupted run, and the weights are equal."""
+    script = Path(__file__).parent / "stream_ddp.py"
+    for phase in ("whole", "cut", "resume"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(tmp_path)]
+        cmd += [phase, str(stop_at)]
+        env = {**os.environ, "WORKERS": str(workers), "PYTHONPATH": str(Path(__file__).parents[2])}
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(2):
+        whole, cut, resumed = (
+            json.loads((tmp_path / f"{p}-rank{rank}.json").read_text()) for p in ("whole", "cut", "resume")
+        )
+        assert len(whole["seen"]) == 60 and sorted(whole["seen"][:30]) == sorted(whole["seen"][30:])
+        assert 0 < len(cut["seen"]) < 60 and cut["seen"] + resumed["seen"] == whole["seen"], rank
+        assert resumed["weights"] == whole["weights"], rank
