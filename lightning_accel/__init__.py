@@ -13,7 +13,7 @@ from lightning_accel.data import (
     SyntheticClassificationDataModule,
     SyntheticTokenDataModule,
 )
-from lightning_accel.monitor import GoodputMonitor, PrometheusExporter, UtilizationMonitor
+from lightning_accel.monitor import HANG_EXIT_CODE, GoodputMonitor, HangSentinel, PrometheusExporter, UtilizationMonitor
 from lightning_accel.precision import auto_precision, choose_precision
 from lightning_accel.profile import Finding, TorchProfiler, diagnose
 from lightning_accel.strategies import (
@@ -27,11 +27,13 @@ register_presets()
 
 __version__ = "0.1.0"
 __all__ = [
+    "HANG_EXIT_CODE",
     "PRESETS",
     "ActivationCheckpointing",
     "AtomicCheckpointIO",
     "Finding",
     "GoodputMonitor",
+    "HangSentinel",
     "Preempted",
     "PreemptionCheckpoint",
     "PrometheusExporter",

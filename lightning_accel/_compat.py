@@ -11,6 +11,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, get_args
 
+import torch
+import torch.distributed as dist
 from lightning.fabric.connector import _PRECISION_INPUT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
@@ -204,3 +206,20 @@ class StepsProgressBar(RichProgressBar):
         if trainer.max_steps > 0:
             return {"step": f"{trainer.global_step}/{trainer.max_steps}", **metrics}
         return metrics
+
+
+# -- torch.distributed private names the hang sentinel uses (monitor/sentinel.py) -----------------------------
+def default_store() -> Any:
+    """The default process group's c10d store (torchrun's or the strategy's TCPStore), or ``None``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def nccl_flight_recorder_dump() -> bytes | None:
+    """The NCCL flight recorder's record of recent collectives (pickled, as torch's ``fr_trace`` tool reads it),
+    or ``None`` where there is none (no CUDA, no NCCL, or a torch without it)."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None or not torch.cuda.is_available():
+        return None
+    return bytes(dump())

@@ -211,3 +211,23 @@ def test_the_private_names_behind_exact_resume_are_still_there(tmp_path):
     assert seen["due"] is False and seen["connector"] and seen["handlers"] and seen["loops"]
     entry = seen["results"]["training_step.loss_epoch_mean"]
     assert entry["reduction"] == "mean" and entry["cumulated_batch_size"] > 0
+
+
+def test_torch_private_names_the_hang_sentinel_reaches_are_still_there(tmp_path):
+    """The default store (heartbeats go through it) and the NCCL flight recorder's dump (read on a hang)."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_accel._compat import default_store, nccl_flight_recorder_dump
+
+    assert callable(torch._C._distributed_c10d._dump_fr_trace)
+    assert default_store() is None  # no process group
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        store = default_store()
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        dist.destroy_process_group()
+    if not torch.cuda.is_available():
+        assert nccl_flight_recorder_dump() is None

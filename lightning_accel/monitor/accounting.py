@@ -34,9 +34,13 @@ GOODPUT_KEYS = (
     "goodput/restarts",
     "goodput/straggler_ratio",
     "goodput/slowest_rank",
+    "goodput/straggler_rank",
+    "goodput/presync_step_s",
 )
 METRIC_KEYS = THROUGHPUT_KEYS + GOODPUT_KEYS  # everything GoodputMonitor logs and exports
 STRAGGLER_WINDOW = 8  # logging intervals each rank's step time is the median of
+STRAGGLER_RATIO = 1.2  # a rank is a straggler from this ratio of its step time to the other ranks' median ...
+STRAGGLER_MADS = 3.0  # ... when its excess is also above this many (scaled) MADs of theirs: not their own noise
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class GoodputAccounting:
         self.restarts = self.lost_steps = 0
         self.lost_s = 0.0
         self.straggler_ratio: float | None = None
+        self.straggler_rank: int | None = None  # the slowest rank, once it passes both thresholds
+        self.rank_step_s: list[float] = []  # each rank's windowed median pre-sync step time
         self.slowest_rank: int | None = None
         self._rank_times: deque[list[float]] = deque(maxlen=STRAGGLER_WINDOW)
         self.carried = dict.fromkeys(BUCKETS, 0.0)  # seconds of earlier attempts (from the checkpoint)
@@ -145,16 +151,32 @@ class GoodputAccounting:
         return (data + after.forward_s - before.forward_s) / steps
 
     def set_rank_step_times(self, per_rank: list[float]) -> None:
-        """Every rank's :meth:`own_step_time` over one logging interval, in rank order. Each rank's time is the
-        median of its last :data:`STRAGGLER_WINDOW` intervals, so one slow interval (a hiccup) names no straggler;
-        the slowest rank and its ratio to the median of all ranks' are kept."""
+        """Every rank's :meth:`own_step_time` over one logging interval, in rank order.
+
+        Each rank's time is the median of its last :data:`STRAGGLER_WINDOW` intervals, so one slow interval (a
+        hiccup) names no straggler. The ratio compares the slowest rank with the median of the *other* ranks (with
+        two ranks, the other one). The slowest rank is named a straggler when the ratio reaches
+        :data:`STRAGGLER_RATIO` and its excess is above :data:`STRAGGLER_MADS` scaled median absolute deviations of
+        the others' times, so a cluster whose ranks all vary widely names no one.
+        """
         if self._rank_times and len(self._rank_times[-1]) != len(per_rank):
             self._rank_times.clear()  # another world size: earlier intervals do not compare
         self._rank_times.append(list(per_rank))
         medians = [statistics.median(interval[r] for interval in self._rank_times) for r in range(len(per_rank))]
-        overall = statistics.median(medians)
+        self.rank_step_s = medians
         self.slowest_rank = max(range(len(medians)), key=medians.__getitem__)
-        self.straggler_ratio = medians[self.slowest_rank] / overall if overall > 0 else 1.0
+        others = [m for r, m in enumerate(medians) if r != self.slowest_rank] or medians
+        typical = statistics.median(others)
+        self.straggler_ratio = medians[self.slowest_rank] / typical if typical > 0 else 1.0
+        mad = 1.4826 * statistics.median(abs(m - typical) for m in others)  # 1.4826: a standard deviation's scale
+        excess = medians[self.slowest_rank] - typical
+        named = self.straggler_ratio >= STRAGGLER_RATIO and excess > STRAGGLER_MADS * mad
+        self.straggler_rank = self.slowest_rank if named else None
+
+    @property
+    def straggler_intervals(self) -> int:
+        """How many logging intervals the ranks' step times are medians of (at most :data:`STRAGGLER_WINDOW`)."""
+        return len(self._rank_times)
 
     # -- metrics ------------------------------------------------------------------------------------
     def rates(self, before: Mark, after: Mark, world_size: int = 1) -> dict[str, float]:
@@ -198,6 +220,7 @@ class GoodputAccounting:
         if self.straggler_ratio is not None and self.slowest_rank is not None:
             metrics["goodput/straggler_ratio"] = self.straggler_ratio
             metrics["goodput/slowest_rank"] = float(self.slowest_rank)
+            metrics["goodput/straggler_rank"] = float(self.straggler_rank if self.straggler_rank is not None else -1)
         return metrics
 
     def compute(self, since: Mark | None, world_size: int = 1) -> dict[str, float]:

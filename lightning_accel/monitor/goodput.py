@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.monitor.plot import plot_ledger
 from lightning_accel.monitor.progress import read_highest_step, write_highest_step
 from lightning_accel.monitor.summary import print_summary
+from lightning_accel.ranks import gather_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,8 @@ class GoodputMonitor(Callback):
         self._wrapper: LedgerProfiler | None = None
         self._undo_validation_timing: Callable[[], None] | None = None
         self._run_dir: Path | None = None  # run_dir, or where checkpoints or logs go (on_train_start)
+        self._hosts: list[str] = []  # every rank's host name (on_train_start)
+        self._warned_straggler: int | None = None
         if self._counted_flops:
             self.accounting.flops_per_batch = None
 
@@ -179,6 +183,7 @@ class GoodputMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._run_dir = self._resolve_run_dir(trainer)
+        self._hosts = gather_from_ranks(socket.gethostname())
         start = trainer.global_step
         reached = None
         if self.accounting.resumed:
@@ -247,6 +252,8 @@ class GoodputMonitor(Callback):
             self.accounting.set_rank_step_times(
                 [float(t) for t in trainer.strategy.all_gather(local).reshape(-1).cpu()]
             )
+            metrics["goodput/presync_step_s"] = self.accounting.rank_step_s[trainer.global_rank]
+            self._warn_straggler(trainer)
         self._last_log = mark
         metrics.update(self.accounting.goodput())
         share = metrics.get("throughput/data_wait_share", 0.0)
@@ -258,6 +265,25 @@ class GoodputMonitor(Callback):
                 "with DALI (lightning_accel.data.DALIImageDataModule)."
             )
         self._publish(trainer, metrics)
+
+    def _warn_straggler(self, trainer: Trainer) -> None:
+        rank = self.accounting.straggler_rank
+        if rank is None or rank == self._warned_straggler or not trainer.is_global_zero:
+            return
+        self._warned_straggler = rank
+        times = self.accounting.rank_step_s
+        others = sorted(t for r, t in enumerate(times) if r != rank)
+        log.warning(
+            "Straggler: rank %d (host %s) spends %.2fx the other ranks' median time per step before the gradient "
+            "sync (%.1f ms vs %.1f ms, medians over the last %d logging intervals); every other rank waits for it. "
+            "Check that host's load, its data path and its input shard (`lightning-accel doctor` repeats this).",
+            rank,
+            self._hosts[rank] if rank < len(self._hosts) else "?",
+            self.accounting.straggler_ratio,
+            1000 * times[rank],
+            1000 * others[len(others) // 2],
+            self.accounting.straggler_intervals,
+        )
 
     def rates(self, before: Mark, after: Mark, world_size: int = 1) -> dict[str, float]:
         """Throughput between two marks (see :meth:`GoodputAccounting.rates`)."""
@@ -290,6 +316,8 @@ class GoodputMonitor(Callback):
         if self._run_dir is not None:  # for `lightning-accel doctor`
             self._run_dir.mkdir(parents=True, exist_ok=True)
             run = {"precision": str(trainer.precision), "device": str(trainer.strategy.root_device)}
+            if self.accounting.straggler_rank is not None:
+                run["straggler_host"] = self._hosts[self.accounting.straggler_rank]
             (self._run_dir / RESULTS_FILE).write_text(json.dumps({**self.results, **run}, indent=1))
         if self.summary:
             self._print_summary()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from lightning_accel.monitor.accounting import STRAGGLER_RATIO
+
 # Thresholds: a finding is raised above these (shares of wall time unless said otherwise).
 INPUT_SHARE = 0.10
 CHECKPOINT_SHARE = 0.05
@@ -20,7 +22,6 @@ OTHER_SHARE = 0.20
 DISPATCH_S = 5e-6  # host time PyTorch eager spends per op before any compute (dispatch, autograd bookkeeping)
 HOST_SHARE = 0.10  # estimated dispatch share of the step above which compile / larger batches pay
 GPU_BUSY = 0.90
-STRAGGLER_RATIO = 1.2  # the slowest rank's pre-sync step time over the median rank's
 MEMORY_HEADROOM = 0.5  # peak under half the device's memory
 STEP_PHASES = ("forward", "backward", "optimizer")
 MODEL_PHASES = ("forward", "backward")  # host reads here are the model's (an optimizer's are its own business)
@@ -226,13 +227,17 @@ def memory_headroom_rule(run: RunFacts) -> Finding | None:
 
 def straggler_rule(run: RunFacts) -> Finding | None:
     ratio, rank = run.goodput.get("goodput/straggler_ratio"), run.goodput.get("goodput/slowest_rank")
-    if ratio is None or rank is None or ratio < STRAGGLER_RATIO:
+    named = run.goodput.get("goodput/straggler_rank")  # the monitor's decision (ratio and MADs); older runs lack it
+    if ratio is None or rank is None or (named is not None and named < 0) or ratio < STRAGGLER_RATIO:
         return None
+    host = run.goodput.get("straggler_host")
+    where = f"Rank {int(rank)}" + (f" (host {host})" if host else "")
+    evidence = {"slowest_rank": int(rank), "straggler_ratio": ratio, **({"host": host} if host else {})}
     return Finding(
         "straggler",
         1.0 - 1.0 / ratio,  # of the slowest rank's pre-sync time, what the others spend waiting for it
-        {"slowest_rank": int(rank), "straggler_ratio": ratio},
-        f"Rank {int(rank)} spends {ratio:.2f}x the median rank's time per step before the gradient sync (its data, "
+        evidence,
+        f"{where} spends {ratio:.2f}x the other ranks' median time per step before the gradient sync (its data, "
         "transfer and forward), and every other rank waits for it: check that host's load (another job, thermal "
         "throttling, a slower device), its data path (local disk or network, loader workers) and the size of its "
         "input shard.",

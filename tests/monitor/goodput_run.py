@@ -4,7 +4,7 @@ python tests/monitor/goodput_run.py --out DIR [--devices 2 --slow-rank 1] [--kil
 
 ``--kill-at-step`` SIGKILLs the process at the end of that step (no hook runs, as when a node dies);
 ``--resume`` continues from the newest checkpoint in DIR/ckpt. ``--slow-rank`` makes one rank's training
-step 40 ms slower, the straggler the monitor must name.
+step ``--slow-extra-s`` (40 ms) slower than ``--step-s`` (10 ms), the straggler the monitor must name.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -25,12 +26,12 @@ from lightning_accel.testing import quiet_trainer_kwargs
 
 
 class SlowStep(BoringModel):
-    def __init__(self, slow_rank: int | None, step_s: float) -> None:
+    def __init__(self, slow_rank: int | None, step_s: float, slow_extra_s: float) -> None:
         super().__init__()
-        self.slow_rank, self.step_s = slow_rank, step_s
+        self.slow_rank, self.step_s, self.slow_extra_s = slow_rank, step_s, slow_extra_s
 
     def training_step(self, batch, batch_idx):
-        time.sleep(self.step_s + (0.04 if self.global_rank == self.slow_rank else 0.0))
+        time.sleep(self.step_s + (self.slow_extra_s if self.global_rank == self.slow_rank else 0.0))
         return super().training_step(batch, batch_idx)
 
 
@@ -51,11 +52,15 @@ def main() -> None:
     parser.add_argument("--kill-at-step", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--step-s", type=float, default=0.01)
+    parser.add_argument("--prometheus", action="store_true", help="scrape this rank's endpoint into the out dir")
+    parser.add_argument("--slow-extra-s", type=float, default=0.04)
     args = parser.parse_args()
     torch.set_num_threads(1)
     seed_everything(0)
     ckpt_dir = args.out / "ckpt"
-    monitor = la.GoodputMonitor(every_n_steps=5, progress_every_n_seconds=0.0, summary=False)
+    exporter = la.PrometheusExporter(port=0) if args.prometheus else None
+    monitor = la.GoodputMonitor(every_n_steps=5, progress_every_n_seconds=0.0, summary=False, prometheus=exporter)
     callbacks: list[Callback] = [monitor, la.PreemptionCheckpoint(dirpath=ckpt_dir, every_n_steps=5, keep_last=None)]
     if args.kill_at_step is not None:
         callbacks.append(KillAt(args.kill_at_step))
@@ -70,10 +75,14 @@ def main() -> None:
             callbacks=callbacks,
         )
     )
-    model = SlowStep(args.slow_rank, step_s=0.01)
+    model = SlowStep(args.slow_rank, args.step_s, args.slow_extra_s)
     ckpt = la.find_resume_checkpoint(ckpt_dir) if args.resume else None
     trainer.fit(model, ckpt_path=ckpt)
     (args.out / f"results_rank{trainer.global_rank}.json").write_text(json.dumps(monitor.results))
+    if exporter is not None:  # what Prometheus would scrape from this rank, read over loopback HTTP
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.bound_port}/metrics", timeout=10) as answer:
+            (args.out / f"metrics_rank{trainer.global_rank}.txt").write_bytes(answer.read())
+        exporter.close()
 
 
 if __name__ == "__main__":

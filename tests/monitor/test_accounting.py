@@ -24,3 +24,16 @@ def test_a_changed_world_size_starts_the_window_over():
     acc.set_rank_step_times([0.01, 0.02])
     acc.set_rank_step_times([0.01, 0.01, 0.03])
     assert acc.slowest_rank == 2 and acc.straggler_ratio == pytest.approx(3.0)
+
+
+def test_a_straggler_must_stand_out_from_the_other_ranks_spread_too():
+    acc = GoodputAccounting()
+    for _ in range(STRAGGLER_WINDOW):
+        acc.set_rank_step_times([0.010, 0.020, 0.030, 0.038])  # ranks all over the place: rank 3 is no outlier
+    assert acc.slowest_rank == 3 and acc.straggler_ratio == pytest.approx(1.9)
+    assert acc.straggler_rank is None and acc.goodput()["goodput/straggler_rank"] == -1.0
+    for _ in range(STRAGGLER_WINDOW):
+        acc.set_rank_step_times([0.020, 0.021, 0.019, 0.026])  # tight others, rank 3 30% above their median
+    assert acc.straggler_rank == 3 and acc.straggler_ratio == pytest.approx(1.3)
+    assert acc.rank_step_s == pytest.approx([0.020, 0.021, 0.019, 0.026])
+    assert acc.straggler_intervals == STRAGGLER_WINDOW

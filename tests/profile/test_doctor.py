@@ -93,9 +93,14 @@ def test_a_straggling_rank_is_named_with_what_to_check():
     slow = {**goodput(compute=0.8), "goodput/straggler_ratio": 1.5, "goodput/slowest_rank": 3.0}
     (finding,) = [f for f in diagnose(slow) if f.kind == "straggler"]
     assert finding.share == pytest.approx(1 - 1 / 1.5) and finding.evidence["slowest_rank"] == 3
-    assert finding.fix.startswith("Rank 3 spends 1.50x the median rank's time") and "host's load" in finding.fix
+    assert finding.fix.startswith("Rank 3 spends 1.50x the other ranks' median time") and "host's load" in finding.fix
+    named = {**slow, "goodput/straggler_rank": 3.0, "straggler_host": "node-7"}
+    (finding,) = [f for f in diagnose(named) if f.kind == "straggler"]
+    assert finding.fix.startswith("Rank 3 (host node-7) spends 1.50x") and finding.evidence["host"] == "node-7"
     balanced = {**goodput(compute=0.8), "goodput/straggler_ratio": 1.1, "goodput/slowest_rank": 0.0}
     assert "straggler" not in kinds(diagnose(balanced))  # under 1.2x: noise between ranks, not a straggler
+    spread = {**slow, "goodput/straggler_rank": -1.0}  # 1.5x, but within the other ranks' own spread (MADs)
+    assert "straggler" not in kinds(diagnose(spread))
 
 
 class SlowData(Dataset):

@@ -1,0 +1,180 @@
+"""HangSentinel: a stuck rank is found within its allowance, named, its stacks dumped, and the job exits with
+HANG_EXIT_CODE so torchrun restarts it; a balanced run raises nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel import PreemptionCheckpoint
+from lightning_accel.monitor import HANG_EXIT_CODE, HangSentinel
+from tests.conftest import tiny_trainer_kwargs
+
+SCRIPT = Path(__file__).parent / "hang_run.py"
+ROOT = Path(__file__).parents[2]
+
+
+def torchrun(out: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *extra, str(SCRIPT), str(out), mode]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired as timeout:  # show what the job printed before it stopped answering
+        output = (timeout.stdout or b"").decode(errors="replace") + (timeout.stderr or b"").decode(errors="replace")
+        raise AssertionError(f"{mode}: the job did not end in 180 s; its output:\n{output[-6000:]}") from None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("mode", "phase", "where"), [("step", "forward", "training_step"), ("loader", "data", "")])
+def test_a_rank_stuck_in_its_step_or_its_loader_worker_is_named_dumped_and_the_job_exits(tmp_path, mode, phase, where):
+    result = torchrun(tmp_path, mode)
+    ended = time.time()
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    # torchrun's root cause is our code; the agent ends its other worker at the first failure, so whether the
+    # second rank's own 76 is listed too depends on which exits first
+    root_cause = output[output.index("Root Cause") :]
+    assert f"exitcode  : {HANG_EXIT_CODE}" in root_cause, output[-3000:]
+    for rank in (0, 1):
+        assert f"HangSentinel (rank {rank}): hang found: rank 1 (host" in output
+    hang_started = float((tmp_path / f"hang-started-{mode}").read_text())
+    assert ended - hang_started < 3 + 12  # floor_s=3 plus polling, the dumps and torchrun's teardown
+    report = json.loads((tmp_path / "hang" / "report.json").read_text())
+    assert report["stuck_ranks"] == [1]
+    stuck = next(b for b in report["beats"] if b["rank"] == 1)
+    assert stuck["phase"] == phase and stuck["batches"] == 12 and stuck["allowance_s"] == 3.0
+    stacks = (tmp_path / "hang" / "rank1.stacks.txt").read_text()
+    assert stacks.startswith("rank 1, host ") and "Thread" in stacks
+    assert (tmp_path / "hang" / "rank0.stacks.txt").exists()
+    if mode == "step":
+        assert "in sleep_forever" in stacks and "in training_step" in stacks  # the line the rank is stuck on
+    else:
+        assert "in _next_data" in stacks  # the main thread waits for its worker ...
+        workers = (tmp_path / "hang" / "rank1.children.stacks.txt").read_text()
+        assert "in sleep_forever" in workers and "in __getitem__" in workers  # ... which shows where it is stuck
+    assert not list(tmp_path.glob("done-rank*.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torchrun_restarts_a_hung_job_from_its_last_checkpoint_and_it_finishes(tmp_path):
+    result = torchrun(tmp_path, "step", "--max-restarts", "1")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert json.loads((tmp_path / "hang" / "report.json").read_text())["stuck_ranks"] == [1]
+    for rank in range(2):
+        done = json.loads((tmp_path / f"done-rank{rank}.json").read_text())
+        assert done == {"global_step": 30, "resumed_from": str(tmp_path / "ck" / "step=00000010.ckpt"), "report": False}
+
+
+@pytest.mark.multiprocess
+def test_a_balanced_run_raises_no_hang(tmp_path):
+    result = torchrun(tmp_path, "none")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert not (tmp_path / "hang").exists()
+    for rank in range(2):
+        assert json.loads((tmp_path / f"done-rank{rank}.json").read_text())["report"] is False
+
+
+class Sleepy(LightningModule):
+    """BatchNorm and validation; training_step sleeps at step 6 until the sentinel has reported (exit_on_hang
+    is off, so the test's own process is not ended)."""
+
+    def __init__(self, sentinel: HangSentinel) -> None:
+        super().__init__()
+        self.sentinel = sentinel
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        while self.global_step == 6 and self.sentinel.report is None:
+            time.sleep(0.05)
+        return self.net(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("v", self.net(batch[0]).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_one_process_hang_is_reported_with_its_stack_and_allowances_follow_measured_times(tmp_path):
+    sentinel = HangSentinel(factor=4, floor_s=0.5, startup_s=30, poll_s=0.05, exit_on_hang=False, dirpath=tmp_path)
+    data = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4)
+    callbacks = [sentinel, PreemptionCheckpoint(tmp_path / "ck", every_n_steps=2)]
+    trainer = Trainer(
+        **tiny_trainer_kwargs(tmp_path, max_steps=8, val_check_interval=4, limit_val_batches=2, callbacks=callbacks)
+    )
+    started = time.monotonic()
+    trainer.fit(Sleepy(sentinel), data, data)
+    assert time.monotonic() - started < 10
+    report = sentinel.report
+    assert report is not None and report.stuck_ranks == [0] and report.missing_ranks == []
+    (beat,) = report.beats
+    assert beat["phase"] == "forward" and beat["batches"] == 6 and beat["allowance_s"] == 0.5  # tiny steps: floor
+    stacks = (tmp_path / "hang" / "rank0.stacks.txt").read_text()
+    assert "in training_step" in stacks
+    assert len(sentinel._times["save"]) == 4  # steps 2, 4, 6 and 8, each timed apart from its batch
+    assert len(sentinel._times["validation"]) == 2 * 2  # two validations of two batches
+    assert len(sentinel._times["train"]) == 8
+
+
+def test_allowances_start_generous_then_follow_the_median_and_bad_settings_are_named():
+    sentinel = HangSentinel(factor=10, floor_s=1, startup_s=600)
+    sentinel._reset(Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False))
+    assert sentinel.allowance_s() == 600.0  # no batch measured yet: the first compile and collectives
+    sentinel._times["train"].extend([0.2, 0.3, 5.0])  # one slow outlier leaves the median alone
+    assert sentinel.allowance_s() == pytest.approx(3.0)
+    sentinel._phase = "checkpoint"
+    assert sentinel.allowance_s() == 600.0  # no save measured yet
+    sentinel._times["save"].extend([0.05, 2.0])
+    assert sentinel.allowance_s() == pytest.approx(20.0)  # the longest save, times the factor
+    for kwargs, message in (
+        ({"factor": 0}, "factor must be > 0, got 0"),
+        ({"floor_s": -1}, "floor_s must be > 0, got -1"),
+        ({"startup_s": 0}, "startup_s must be > 0, got 0"),
+        ({"poll_s": 0}, "poll_s must be > 0, got 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            HangSentinel(**kwargs)
+
+
+class SlowSave(Callback):
+    """Each checkpoint save takes 0.6 s, longer than a training step's allowance (floor_s=0.3)."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        time.sleep(0.6)
+
+
+class Quick(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.01)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3)]
+
+
+def test_slow_checkpoint_saves_get_their_own_allowance_and_raise_no_alarm(tmp_path):
+    """Saves every 3 steps that take 0.6 s, 6x a step's 0.3 s allowance: the first is covered by startup_s, the
+    later ones by factor x the longest save measured; the step allowance never includes a save."""
+    sentinel = HangSentinel(factor=4, floor_s=0.3, startup_s=30, poll_s=0.05, exit_on_hang=False, dirpath=tmp_path)
+    callbacks = [sentinel, SlowSave(), PreemptionCheckpoint(tmp_path / "ck", every_n_steps=3)]
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=12, accumulate_grad_batches=2, callbacks=callbacks))
+    trainer.fit(Quick(), DataLoader(TensorDataset(torch.randn(96, 4)), batch_size=4))
+    assert sentinel.report is None and not (tmp_path / "hang").exists()
+    # steps 3, 6 and 9 (the save at step 12 ends the fit: no later event times it)
+    assert len(sentinel._times["save"]) == 3 and min(sentinel._times["save"]) >= 0.6
+    assert max(sentinel._times["train"]) < 0.6  # no batch was charged a save
