@@ -64,7 +64,7 @@ step strategies 70 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
 step checkpoint 60 $PY -m benchmarks.checkpoint_async --gpu --params-m 50 --steps 30 --every 10 --rounds 1 --out "$RES"
 # 5. DALI mixed decode vs CPU backend vs torch DataLoader (only where DALI is installed)
 if $PY -c "import nvidia.dali" 2>/dev/null; then
-  step dataloading 50 $PY -m benchmarks.dataloading --gpu --images 512 --workers 8 --rounds 3 --out "$RES"
+  step dataloading 40 $PY -m benchmarks.dataloading --gpu --images 512 --workers 8 --rounds 3 --out "$RES"
 else
   echo "dataloading skipped: nvidia-dali-cuda120 is not installed on this machine" | tee -a "$RES/status.txt"
 fi
@@ -72,7 +72,7 @@ fi
 step goodput 30 $PY -m benchmarks.goodput_attribution --gpu --steps 100 --rounds 1 --out "$RES"
 # 7. the doctor's GPU-only findings (sync stalls, pageable copies, idle time via HolisticTraceAnalysis,
 #    precision, memory headroom), then `lightning-accel profile` on the GPU recipe (traces stay on the device)
-step doctor 50 bash -c "$PY -m pytest -q -p no:cacheprovider \
+step doctor 40 bash -c "$PY -m pytest -q -p no:cacheprovider \
   tests/profile/test_doctor.py::test_gpu_doctor_measures_syncs_pageable_copies_and_idle_time \
   && COLUMNS=200 $PY -m lightning_accel.cli profile --config recipes/tiny_gpt_gpu.yaml --out /tmp/profile_gpu \
      --wait 10 --active 3 --trainer.enable_progress_bar false \
@@ -83,5 +83,9 @@ step tune 30 $PY -m lightning_accel.cli tune --config recipes/tiny_gpt_gpu.yaml 
   --out "$RES/tune/tuned.yaml"
 # 9. activation checkpointing on the GPU: CUDA's peak allocation vs step time, none / full / selective
 step activation_checkpointing 25 $PY -m benchmarks.activation_checkpointing --gpu --rounds 1 --steps 8 --out "$RES"
+# 10. the hang sentinel on one GPU with NCCL: a rank stuck in training_step exits 76 with its stacks and NCCL's
+#     flight recorder dumped (2-rank detection and stragglers are covered on CPU; one GPU cannot hold 2 NCCL ranks)
+step hang_sentinel 20 $PY -m pytest -q -p no:cacheprovider \
+  "tests/monitor/test_sentinel.py::test_on_a_gpu_the_nccl_flight_recorder_is_dumped_beside_the_stacks"
 pack
 echo "== gpu_check summary =="; cat "$RES/status.txt"

@@ -5,7 +5,13 @@ Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/arch
 """
 
 from lightning_accel import tune  # a callable package: lightning_accel.tune(...) runs the search
-from lightning_accel.checkpoint import AtomicCheckpointIO, Preempted, PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.checkpoint import (
+    AtomicCheckpointIO,
+    Preempted,
+    PreemptionCheckpoint,
+    PreemptionNotices,
+    find_resume_checkpoint,
+)
 from lightning_accel.compile import TorchCompile
 from lightning_accel.data import (
     ResumableDataLoader,
@@ -13,7 +19,15 @@ from lightning_accel.data import (
     SyntheticClassificationDataModule,
     SyntheticTokenDataModule,
 )
-from lightning_accel.monitor import HANG_EXIT_CODE, GoodputMonitor, HangSentinel, PrometheusExporter, UtilizationMonitor
+from lightning_accel.monitor import (
+    HANG_EXIT_CODE,
+    GoodputMonitor,
+    HangSentinel,
+    IdleMonitor,
+    Pricing,
+    PrometheusExporter,
+    UtilizationMonitor,
+)
 from lightning_accel.precision import auto_precision, choose_precision
 from lightning_accel.profile import Finding, TorchProfiler, diagnose
 from lightning_accel.strategies import (
@@ -34,8 +48,11 @@ __all__ = [
     "Finding",
     "GoodputMonitor",
     "HangSentinel",
+    "IdleMonitor",
     "Preempted",
     "PreemptionCheckpoint",
+    "PreemptionNotices",
+    "Pricing",
     "PrometheusExporter",
     "ResumableDataLoader",
     "ResumableStreamLoader",

@@ -222,4 +222,7 @@ def nccl_flight_recorder_dump() -> bytes | None:
     dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
     if dump is None or not torch.cuda.is_available():
         return None
-    return bytes(dump())
+    try:
+        return bytes(dump())
+    except RuntimeError:  # no NCCL process group, or the recorder is off (TORCH_NCCL_TRACE_BUFFER_SIZE unset)
+        return None

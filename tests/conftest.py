@@ -12,6 +12,9 @@ from lightning_accel.testing import quiet_trainer_kwargs
 # Two cores: one intra-op thread per test process keeps DDP tests from oversubscribing the machine.
 torch.set_num_threads(1)
 os.environ.setdefault("PYTHONHASHSEED", "0")
+# Nothing in the tests asks a real cloud's metadata server, even on a CI machine in a cloud: PreemptionNotices("auto")
+# and every subprocess the tests start (the guides' examples) see no cloud; the notice tests name theirs explicitly.
+os.environ["LIGHTNING_ACCEL_CLOUD"] = "none"
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 

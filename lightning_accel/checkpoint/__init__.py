@@ -2,6 +2,7 @@
 
 from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO, AsyncWrite
 from lightning_accel.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError, atomic_save
+from lightning_accel.checkpoint.cloud_notices import PreemptionNotices
 from lightning_accel.checkpoint.durable import Verdict
 from lightning_accel.checkpoint.preemption import EXIT_CODE_PREEMPTED, Preempted, PreemptionCheckpoint
 from lightning_accel.checkpoint.resume import find_resume_checkpoint, list_checkpoints
@@ -15,6 +16,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Preempted",
     "PreemptionCheckpoint",
+    "PreemptionNotices",
     "Verdict",
     "atomic_save",
     "find_resume_checkpoint",

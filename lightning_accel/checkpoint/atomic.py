@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -71,12 +72,17 @@ def _explain_write_error(err: OSError, path: Path) -> OSError:
 
 
 def atomic_save(
-    obj: Any, path: PathLike, meta: dict[str, Any] | None = None, reuse: Path | None = None
+    obj: Any,
+    path: PathLike,
+    meta: dict[str, Any] | None = None,
+    reuse: Path | None = None,
+    before_manifest: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """``torch.save(obj, path)`` atomically and durably; returns the manifest written beside it.
 
     ``reuse``: a spare file in the same folder (an old checkpoint renamed to a hidden temporary name) to
     overwrite in place instead of allocating a new file; it is renamed to ``path`` or removed on failure.
+    ``before_manifest``: called with ``path`` once the file is durable, before the manifest makes it count.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +99,8 @@ def atomic_save(
         digest.update({CHECKSUM: writer.hash.hexdigest(), "bytes": writer.size})
 
     write_durably(path, write_checkpoint, reuse)
+    if before_manifest is not None:
+        before_manifest(path)
     manifest = {"format": MANIFEST_FORMAT, "file": path.name, **digest, "created_unix": time.time(), **(meta or {})}
     # The manifest goes last: a checkpoint without a matching manifest is never trusted.
     write_manifest(path, manifest)
@@ -125,7 +133,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"AtomicCheckpointIO does not take storage_options, got {storage_options!r}")
         path, self._saving = Path(path), True
         spare = self._spares.pop(path.parent, None)
-        atomic_save(checkpoint, path, _manifest_meta(checkpoint), reuse=spare if spare and spare.is_file() else None)
+        reuse = spare if spare and spare.is_file() else None
+        # recorded before the manifest is written: once it is, pruning on another thread may look at this file
+        atomic_save(checkpoint, path, _manifest_meta(checkpoint), reuse=reuse, before_manifest=self._record_written)
+
+    def _record_written(self, path: Path) -> None:
         stat = path.stat()
         self._written[str(path)] = (stat.st_size, stat.st_mtime_ns)
 

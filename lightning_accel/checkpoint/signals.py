@@ -43,10 +43,16 @@ class StopSignals:
     def __init__(self, signals: Iterable[str | int]) -> None:
         self.signals = [parse_signal(s) for s in signals]
         self.received: int | None = None
+        self.reason: str | None = None  # a stop requested without a signal (a cloud's preemption notice)
         self._chained: dict[int, Handler] = {}
 
     def reset(self) -> None:
-        self.received = None
+        self.received, self.reason = None, None
+
+    def request(self, reason: str) -> None:
+        """Raise the flag without a signal (from any thread): the owner stops at its next safe point."""
+        self.reason = reason
+        self.received = 0
 
     def remember_previous(self) -> None:
         """Keep the handlers in place now (not Python's default KeyboardInterrupt one) to call from ours."""
@@ -84,4 +90,6 @@ class StopSignals:
             chained(signum, frame)
 
     def name(self) -> str:
+        if self.reason is not None:
+            return self.reason
         return signal.Signals(self.received).name if self.received else "a peer rank's signal"

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_accel.monitor.cost import COST_KEYS
 from lightning_accel.monitor.ledger import BUCKETS, Ledger
 
 THROUGHPUT_KEYS = (
@@ -37,7 +38,7 @@ GOODPUT_KEYS = (
     "goodput/straggler_rank",
     "goodput/presync_step_s",
 )
-METRIC_KEYS = THROUGHPUT_KEYS + GOODPUT_KEYS  # everything GoodputMonitor logs and exports
+METRIC_KEYS = THROUGHPUT_KEYS + GOODPUT_KEYS + COST_KEYS  # everything GoodputMonitor logs and exports
 STRAGGLER_WINDOW = 8  # logging intervals each rank's step time is the median of
 STRAGGLER_RATIO = 1.2  # a rank is a straggler from this ratio of its step time to the other ranks' median ...
 STRAGGLER_MADS = 3.0  # ... when its excess is also above this many (scaled) MADs of theirs: not their own noise
@@ -87,6 +88,7 @@ class GoodputAccounting:
         self.slowest_rank: int | None = None
         self._rank_times: deque[list[float]] = deque(maxlen=STRAGGLER_WINDOW)
         self.carried = dict.fromkeys(BUCKETS, 0.0)  # seconds of earlier attempts (from the checkpoint)
+        self.carried_samples, self.carried_tokens = 0, 0  # this rank's, in earlier attempts (from the checkpoint)
         self.resumed = False
         self._redo_until: int | None = None
         self._attempt_start = 0.0
@@ -241,11 +243,23 @@ class GoodputAccounting:
             "restarts": self.restarts,
             "lost_steps": self.lost_steps,
             "lost_s": self.lost_s,
+            "samples": self.run_samples(),
+            "tokens": self.run_tokens(),
         }
+
+    def run_samples(self) -> int:
+        """This rank's samples over the whole run: earlier attempts' and this one's."""
+        return self.carried_samples + self.samples
+
+    def run_tokens(self) -> int | None:
+        """This rank's tokens over the whole run (``None``: not counted)."""
+        return None if self.tokens is None else self.carried_tokens + self.tokens
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.carried = {b: float(state_dict.get("seconds", {}).get(b, 0.0)) for b in BUCKETS}
         self.restarts = int(state_dict.get("restarts", 0))
         self.lost_steps = int(state_dict.get("lost_steps", 0))
         self.lost_s = float(state_dict.get("lost_s", 0.0))
+        self.carried_samples = int(state_dict.get("samples", 0))
+        self.carried_tokens = int(state_dict.get("tokens") or 0)
         self.resumed = True

@@ -25,12 +25,13 @@ from lightning_accel._compat import wrap_validation_runs
 from lightning_accel.checkpoint import PreemptionCheckpoint
 from lightning_accel.monitor.accounting import METRIC_KEYS, THROUGHPUT_KEYS, GoodputAccounting, Mark
 from lightning_accel.monitor.batches import default_batch_size, default_tokens
+from lightning_accel.monitor.cost import Pricing, cost_figures
 from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
 from lightning_accel.monitor.forwarding import remove_wrapper
 from lightning_accel.monitor.ledger import BUCKETS, Ledger, LedgerProfiler
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.monitor.plot import plot_ledger
-from lightning_accel.monitor.progress import read_highest_step, write_highest_step
+from lightning_accel.monitor.progress import read_highest_step, steps_left, write_highest_step
 from lightning_accel.monitor.summary import print_summary
 from lightning_accel.ranks import gather_from_ranks
 
@@ -71,6 +72,9 @@ class GoodputMonitor(Callback):
         summary: Print the breakdown at the end of fit.
         plot: Write ``goodput.png`` (a stacked bar) into ``run_dir`` at the end of fit (``goodput.json``, the
             results, is always written there).
+        pricing: What the machines cost (:class:`~lightning_accel.monitor.cost.Pricing`): every bucket gets
+            dollars beside its seconds, plus lost dollars, cost per million samples and cost to finish
+            (docs/cost.md). Default: from ``LIGHTNING_ACCEL_PRICE_*`` environment variables, else no cost figures.
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class GoodputMonitor(Callback):
         sync_cuda: bool = True,
         summary: bool = True,
         plot: bool = True,
+        pricing: Pricing | None = None,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
@@ -104,6 +109,7 @@ class GoodputMonitor(Callback):
         self.exporter, self._owns_exporter = resolve_exporter(prometheus)
         self.sync_cuda, self.summary, self.plot = sync_cuda, summary, plot
         self.accounting = GoodputAccounting(flops_per_batch)
+        self.pricing = pricing if pricing is not None else Pricing.from_env()
         self.results: dict[str, float] = {}
         self.peak_source = "unknown"
         self._reset()
@@ -256,6 +262,7 @@ class GoodputMonitor(Callback):
             self._warn_straggler(trainer)
         self._last_log = mark
         metrics.update(self.accounting.goodput())
+        metrics.update(self._costs(trainer, metrics))
         share = metrics.get("throughput/data_wait_share", 0.0)
         if not self._warned and share > self.data_wait_warn and mark.steps > self.warmup_steps:
             self._warned = True
@@ -265,6 +272,25 @@ class GoodputMonitor(Callback):
                 "with DALI (lightning_accel.data.DALIImageDataModule)."
             )
         self._publish(trainer, metrics)
+
+    def _costs(self, trainer: Trainer, goodput: dict[str, float]) -> dict[str, float]:
+        """The cost figures for ``goodput`` (empty without a price)."""
+        if self.pricing is None:
+            return {}
+        acc = self.accounting
+        steps = acc.step - acc.start_step
+        attempt_s = goodput["goodput/total_s"] - sum(acc.carried.values())  # this attempt's, as `goodput` has it
+        tokens = acc.run_tokens()
+        return cost_figures(
+            goodput,
+            self.pricing,
+            world_size=trainer.world_size,
+            num_nodes=trainer.num_nodes,
+            samples=acc.run_samples() * trainer.world_size,  # every rank trains as many samples
+            tokens=tokens * trainer.world_size if tokens is not None else None,
+            seconds_per_step=attempt_s / steps if steps > 0 else None,
+            steps_left=steps_left(trainer),
+        )
 
     def _warn_straggler(self, trainer: Trainer) -> None:
         rank = self.accounting.straggler_rank
@@ -304,6 +330,7 @@ class GoodputMonitor(Callback):
             write_highest_step(self._run_dir, self._highest)
         if self.ledger.running:
             self.results = self.accounting.compute(self._warm, trainer.world_size)
+            self.results.update(self._costs(trainer, self.results))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._finish(trainer)
@@ -349,5 +376,13 @@ class GoodputMonitor(Callback):
             rows["straggler ratio (slowest rank)"] = (
                 f"{self.accounting.straggler_ratio:.2f} (rank {self.accounting.slowest_rank})"
             )
+        if "cost/total_usd" in self.results:
+            currency = self.pricing.currency if self.pricing is not None else "USD"
+            rows[f"cost ({currency}, {self.pricing.market if self.pricing else ''})"] = (
+                f"{self.results['cost/total_usd']:.4f}, of which lost to restarts {self.results['cost/lost_usd']:.4f}"
+            )
+            for key in ("cost/usd_per_million_samples", "cost/usd_to_finish"):
+                if key in self.results:
+                    rows[key.split("/", 1)[1].replace("usd", currency).replace("_", " ")] = self.results[key]
         rows["peak_flops_source"] = self.peak_source
         print_summary("lightning-accel goodput", rows)

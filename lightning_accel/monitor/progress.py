@@ -1,4 +1,5 @@
-"""The highest step a run has reached, kept in the run folder so that a resumed attempt knows what it redoes.
+"""How far a run is: the highest step reached, kept in the run folder so that a resumed attempt knows what it
+redoes, and the steps left to the end of the fit.
 
 Checkpoints hold the step they were saved at; the step a killed attempt had reached is lost with it. This
 small file, replaced atomically (write, then ``os.replace``) at most once a second, keeps it.
@@ -10,6 +11,8 @@ import json
 import logging
 import os
 from pathlib import Path
+
+from lightning.pytorch import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -39,3 +42,14 @@ def write_highest_step(run_dir: str | Path, step: int) -> None:
     except OSError as err:
         log.warning("Cannot record progress in %s (%s): a restart will not know the work it redoes", folder, err)
         tmp.unlink(missing_ok=True)
+
+
+def steps_left(trainer: Trainer) -> int | None:
+    """Optimizer steps to the end of the fit: from ``max_steps``, else ``max_epochs`` x steps per epoch."""
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return trainer.max_steps - trainer.global_step
+    batches = trainer.num_training_batches
+    if trainer.max_epochs is None or trainer.max_epochs < 0 or batches in (None, float("inf")):
+        return None
+    per_epoch = -(-int(batches) // trainer.accumulate_grad_batches)  # ceil: a short last window still steps
+    return trainer.max_epochs * per_epoch - trainer.global_step

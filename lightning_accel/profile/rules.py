@@ -23,6 +23,7 @@ DISPATCH_S = 5e-6  # host time PyTorch eager spends per op before any compute (d
 HOST_SHARE = 0.10  # estimated dispatch share of the step above which compile / larger batches pay
 GPU_BUSY = 0.90
 MEMORY_HEADROOM = 0.5  # peak under half the device's memory
+COST_SHARE = 0.10  # checkpoints plus work redone after restarts, as a share of the run's cost
 STEP_PHASES = ("forward", "backward", "optimizer")
 MODEL_PHASES = ("forward", "backward")  # host reads here are the model's (an optimizer's are its own business)
 
@@ -244,6 +245,25 @@ def straggler_rule(run: RunFacts) -> Finding | None:
     )
 
 
+def cost_rule(run: RunFacts) -> Finding | None:
+    total = run.goodput.get("cost/total_usd")
+    if not total:
+        return None  # no price given
+    saving, lost = run.goodput.get("cost/checkpoint_usd", 0.0), run.goodput.get("cost/lost_usd", 0.0)
+    share = (saving + lost) / total
+    if share < COST_SHARE:
+        return None
+    return Finding(
+        "cost",
+        share,
+        {"checkpoint_usd": saving, "lost_usd": lost, "total_usd": total},
+        f"Checkpoint saves cost ${saving:.2f} and work redone after restarts ${lost:.2f}: {share:.0%} of the "
+        f"run's ${total:.2f}. Save asynchronously (PreemptionCheckpoint(async_save=True)); balance the save "
+        "interval against how often the run is preempted (a save every N steps loses N/2 steps per preemption "
+        "on average, and costs one save per N steps); keep the state smaller (a sharded strategy saves shards).",
+    )
+
+
 def compute_verdict(run: RunFacts) -> Finding:
     """Where a run should be: the verdict when no rule found a larger cost."""
     compute = run.share("compute")
@@ -268,4 +288,5 @@ RULES: dict[str, Callable[[RunFacts], Finding | None]] = {
     "precision": precision_rule,
     "memory_headroom": memory_headroom_rule,
     "straggler": straggler_rule,
+    "cost": cost_rule,
 }

@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--step-s", type=float, default=0.01)
+    parser.add_argument("--sentinel", action="store_true", help="add a HangSentinel (floor 2 s): no alarm expected")
     parser.add_argument("--prometheus", action="store_true", help="scrape this rank's endpoint into the out dir")
     parser.add_argument("--slow-extra-s", type=float, default=0.04)
     args = parser.parse_args()
@@ -64,6 +65,8 @@ def main() -> None:
     callbacks: list[Callback] = [monitor, la.PreemptionCheckpoint(dirpath=ckpt_dir, every_n_steps=5, keep_last=None)]
     if args.kill_at_step is not None:
         callbacks.append(KillAt(args.kill_at_step))
+    if args.sentinel:
+        callbacks.append(la.HangSentinel(floor_s=2, startup_s=60, poll_s=0.1, dirpath=args.out))
     trainer = Trainer(
         **quiet_trainer_kwargs(
             accelerator="cpu",

@@ -24,6 +24,8 @@ from lightning_accel.monitor import HangSentinel
 from lightning_accel.testing import quiet_trainer_kwargs
 
 HANG_STEP = 12
+HANG_RANK = int(os.environ.get("HANG_RANK", "1"))  # the GPU check hangs rank 0 of 1 (one GPU, NCCL)
+DEVICES, ACCELERATOR = int(os.environ.get("DEVICES", "2")), os.environ.get("ACCELERATOR", "cpu")
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]
 
@@ -61,7 +63,7 @@ class Net(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
-        if MODE == "step" and FIRST_ATTEMPT and self.global_rank == 1 and self.global_step == HANG_STEP:
+        if MODE == "step" and FIRST_ATTEMPT and self.global_rank == HANG_RANK and self.global_step == HANG_STEP:
             sleep_forever("step")
         return nn.functional.cross_entropy(self.net(x), y)
 
@@ -85,8 +87,8 @@ def main() -> None:
     callbacks = [PreemptionCheckpoint(OUT / "ck", every_n_steps=5), sentinel]
     trainer = Trainer(
         **quiet_trainer_kwargs(
-            accelerator="cpu",
-            devices=2,
+            accelerator=ACCELERATOR,
+            devices=DEVICES,
             strategy="accel_ddp",
             max_steps=30,
             val_check_interval=10,

@@ -306,8 +306,8 @@ def prometheus_value(text: str, series: str) -> float:
 @pytest.mark.multiprocess
 def test_straggler_named_across_two_ranks(tmp_path):
     """Rank 1's step 30% slower (40 ms + 12 ms of sleep before the gradient sync) over 40 steps (8 logging
-    intervals, the window): named, with its host, in the log and goodput.json; the same run balanced names no one
-    and raises no warning (false positives: zero)."""
+    intervals, the window): named, with its host, in the log and goodput.json; the same run balanced, with a
+    HangSentinel, names no straggler and raises no hang alarm (false positives: zero)."""
     common = ("--devices", "2", "--steps", "40", "--step-s", "0.04")
     slow = run_script(
         "--out", str(tmp_path / "slow"), *common, "--slow-rank", "1", "--slow-extra-s", "0.012", "--prometheus"
@@ -325,15 +325,13 @@ def test_straggler_named_across_two_ranks(tmp_path):
     assert (
         json.loads((tmp_path / "slow" / "ckpt" / "goodput.json").read_text())["straggler_host"] == socket.gethostname()
     )
-    balanced = run_script("--out", str(tmp_path / "balanced"), *common)
+    balanced = run_script("--out", str(tmp_path / "balanced"), *common, "--sentinel")
     for rank in (0, 1):
         r = json.loads((tmp_path / "balanced" / f"results_rank{rank}.json").read_text())
         assert r["goodput/straggler_rank"] == -1 and r["goodput/straggler_ratio"] < 1.2
     assert "Straggler" not in balanced.stderr + balanced.stdout
-    assert (
-        not (tmp_path / "balanced" / "ckpt" / "goodput.json").exists()
-        or "straggler_host" not in (tmp_path / "balanced" / "ckpt" / "goodput.json").read_text()
-    )
+    assert "hang found" not in balanced.stderr and not (tmp_path / "balanced" / "hang").exists()  # no false hang
+    assert "straggler_host" not in json.loads((tmp_path / "balanced" / "ckpt" / "goodput.json").read_text())
 
 
 class MatmulHeavy(BoringModel):

@@ -17,17 +17,19 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_accel as la
-from lightning_accel.monitor import goodput, utilization
+from lightning_accel.monitor import goodput, idle, utilization
 from lightning_accel.monitor.exporter import series_name
 from tests.conftest import tiny_trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs/grafana/lightning_accel.json"
-EXPORTED = {series_name(k) for k in goodput.METRIC_KEYS + utilization.METRIC_KEYS}
+EXPORTED = {series_name(k) for k in goodput.METRIC_KEYS + utilization.METRIC_KEYS + idle.IDLE_KEYS}
 
 
 def dashboard_series() -> set[str]:
-    exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel["targets"]]
+    exprs = [
+        t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel.get("targets", [])
+    ]  # rows have none
     exprs += [v["query"] for v in json.loads(DASHBOARD.read_text())["templating"]["list"] if v["type"] == "query"]
     return {name for expr in exprs for name in re.findall(r"\blightning_accel_\w+", expr)}
 
@@ -61,10 +63,14 @@ def query(prom: str, expr: str) -> list[dict]:
 )
 def test_metrics_read_back_from_a_real_prometheus_equal_the_callbacks(tmp_path):
     exporter = la.PrometheusExporter(port=0)  # owned by the test: it serves the final values after fit
-    monitor = la.GoodputMonitor(every_n_steps=5, prometheus=exporter, summary=False, plot=False)
+    pricing = la.Pricing(on_demand_per_hour=3.0, spot_per_hour=1.0, market="spot")  # the cost row's series too
+    monitor = la.GoodputMonitor(every_n_steps=5, prometheus=exporter, summary=False, plot=False, pricing=pricing)
     util = la.UtilizationMonitor(every_n_seconds=0.0, prometheus=exporter, summary=False)
+    idle_monitor = la.IdleMonitor(poll_s=0.05, prometheus=exporter, watch_after_fit=False)
     ckpt = la.PreemptionCheckpoint(dirpath=tmp_path / "ckpt", every_n_steps=5)
-    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=20, callbacks=[monitor, util, ckpt])).fit(BoringModel())
+    Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=20, callbacks=[monitor, util, ckpt, idle_monitor])).fit(
+        BoringModel()
+    )
     assert exporter.bound_port is not None
     web = free_port()
     config = tmp_path / "prometheus.yml"
@@ -109,10 +115,12 @@ def test_metrics_read_back_from_a_real_prometheus_equal_the_callbacks(tmp_path):
             "goodput/straggler_rank",
             "goodput/presync_step_s",
             "throughput/tokens_per_sec",
+            "cost/usd_per_million_tokens",
             *utilization.GPU_KEYS,
         }
         assert dashboard_series() - {series_name(k) for k in absent} <= scraped
     finally:
         server.terminate()
         server.wait(timeout=30)
+        idle_monitor.close()
         exporter.close()

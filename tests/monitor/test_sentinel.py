@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import PreemptionCheckpoint
 from lightning_accel.monitor import HANG_EXIT_CODE, HangSentinel
-from tests.conftest import tiny_trainer_kwargs
+from tests.conftest import requires_cuda, tiny_trainer_kwargs
 
 SCRIPT = Path(__file__).parent / "hang_run.py"
 ROOT = Path(__file__).parents[2]
@@ -74,15 +74,6 @@ def test_torchrun_restarts_a_hung_job_from_its_last_checkpoint_and_it_finishes(t
     for rank in range(2):
         done = json.loads((tmp_path / f"done-rank{rank}.json").read_text())
         assert done == {"global_step": 30, "resumed_from": str(tmp_path / "ck" / "step=00000010.ckpt"), "report": False}
-
-
-@pytest.mark.multiprocess
-def test_a_balanced_run_raises_no_hang(tmp_path):
-    result = torchrun(tmp_path, "none")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert not (tmp_path / "hang").exists()
-    for rank in range(2):
-        assert json.loads((tmp_path / f"done-rank{rank}.json").read_text())["report"] is False
 
 
 class Sleepy(LightningModule):
@@ -178,3 +169,16 @@ def test_slow_checkpoint_saves_get_their_own_allowance_and_raise_no_alarm(tmp_pa
     # steps 3, 6 and 9 (the save at step 12 ends the fit: no later event times it)
     assert len(sentinel._times["save"]) == 3 and min(sentinel._times["save"]) >= 0.6
     assert max(sentinel._times["train"]) < 0.6  # no batch was charged a save
+
+
+@requires_cuda
+def test_on_a_gpu_the_nccl_flight_recorder_is_dumped_beside_the_stacks(tmp_path):
+    """One GPU, NCCL: rank 0 of 1 sleeps in training_step; the hang folder gets NCCL's flight recorder too."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(SCRIPT), str(tmp_path), "step"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HANG_RANK": "0", "DEVICES": "1", "ACCELERATOR": "gpu"}
+    env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"  # the recorder keeps nothing unless given a buffer
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    output = result.stdout + result.stderr
+    assert f"exitcode  : {HANG_EXIT_CODE}" in output, output[-3000:]
+    assert "in sleep_forever" in (tmp_path / "hang" / "rank0.stacks.txt").read_text()
+    assert (tmp_path / "hang" / "rank0.nccl_flight_recorder.pkl").stat().st_size > 0

@@ -35,6 +35,7 @@ KINDS = {
     "precision",
     "memory_headroom",
     "straggler",
+    "cost",
     "compute",
 }
 
@@ -80,7 +81,7 @@ def test_each_kind_is_raised_by_its_evidence_and_ranked_by_share():
     assert found["precision"].share == pytest.approx(0.35) and "bf16-mixed" in found["precision"].fix
     assert "5.6x larger" in found["memory_headroom"].fix
     assert ".item()" in found["sync"].fix
-    assert set(found) | {"input", "checkpoint", "validation", "host_overhead", "straggler", "compute"} == KINDS
+    assert set(found) | {"input", "checkpoint", "validation", "host_overhead", "straggler", "cost", "compute"} == KINDS
     # the same on a CPU: no GPU-only findings (CUDA syncs without a read in the model's code cannot happen there)
     assert not {"sync", "low_utilization", "precision"} & set(kinds(diagnose(goodput(compute=0.7), profile)))
     # HolisticTraceAnalysis's idle share, where it read the trace, is the utilization
@@ -386,3 +387,19 @@ def test_profile_command_profiles_a_recipe_and_prints_the_doctor(tmp_path):
     assert (out / "goodput.json").is_file() and (out / "profile" / "profile_summary.json").is_file()
     findings = json.loads((out / "doctor.json").read_text())
     assert findings and {f["kind"] for f in findings} <= KINDS
+
+
+def test_checkpoints_and_lost_work_that_cost_too_much_are_named_in_dollars():
+    priced = {**goodput(compute=0.8), "cost/total_usd": 40.0, "cost/checkpoint_usd": 3.0, "cost/lost_usd": 2.0}
+    (finding,) = [f for f in diagnose(priced) if f.kind == "cost"]
+    assert finding.share == pytest.approx(5 / 40) and finding.evidence == {
+        "checkpoint_usd": 3.0,
+        "lost_usd": 2.0,
+        "total_usd": 40.0,
+    }
+    assert finding.fix.startswith(
+        "Checkpoint saves cost $3.00 and work redone after restarts $2.00: 12% of the run's $40.00"
+    )
+    cheap = {**priced, "cost/checkpoint_usd": 1.0, "cost/lost_usd": 2.0}  # 7.5%: under the 10% threshold
+    assert "cost" not in kinds(diagnose(cheap))
+    assert "cost" not in kinds(diagnose(goodput(compute=0.8)))  # no price, no finding
