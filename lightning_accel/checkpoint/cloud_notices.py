@@ -105,9 +105,12 @@ class PreemptionNotices(Callback):
             trainer.strategy.checkpoint_io.wait()  # durable before the margin is measured and Azure is told
         notice = watcher.notice
         self.margin_s = notice.seconds_left()
-        log.warning(
-            "saved %s with %.1f s left before the %s deadline", exception.checkpoint, self.margin_s, notice.cloud
+        saved = (
+            f"saved {exception.checkpoint}"
+            if exception.checkpoint
+            else "stopped before the first step (nothing to save)"
         )
+        log.warning("%s with %.1f s left before the %s deadline", saved, self.margin_s, notice.cloud)
         try:
             watcher.source.acknowledge(notice)
         except OSError as error:

@@ -221,7 +221,10 @@ class HangSentinel(Callback):
             self._phase = self._save_resume_phase
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Lightning runs no teardown hook after an exception: a Preempted caught in a notebook must not leave a
+        # watchdog behind that would take the kernel's silence for a hang
         self._let_the_watchdog_exit()
+        self._stop_watching()
 
     def _let_the_watchdog_exit(self) -> None:
         """After a hang is found, the exit code is the sentinel's: when the other ranks' exit breaks this one's
@@ -231,9 +234,13 @@ class HangSentinel(Callback):
             self._thread.join()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit" or self._thread is None:
+        if stage == "fit":
+            self._let_the_watchdog_exit()
+            self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        if self._thread is None:
             return
-        self._let_the_watchdog_exit()
         self._stop.set()
         self._thread.join(timeout=5 * self.poll_s + 1)
         self._thread = None
