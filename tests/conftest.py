@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from lightning_accel.testing import quiet_trainer_kwargs
 
@@ -22,3 +24,14 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 def tiny_trainer_kwargs(tmp_path, **overrides):
     """Quiet, fast Trainer settings for tests."""
     return quiet_trainer_kwargs(**{"accelerator": "cpu", "devices": 1, "default_root_dir": str(tmp_path), **overrides})
+
+
+class SigtermAt(Callback):
+    """Sends this process a real SIGTERM at the start of the batch that follows global step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)

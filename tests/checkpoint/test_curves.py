@@ -4,8 +4,6 @@ on_epoch=True, torchmetrics) equal the uninterrupted run's."""
 from __future__ import annotations
 
 import csv
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_accel.checkpoint import Preempted, PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.data import ResumableDataLoader
-from tests.conftest import tiny_trainer_kwargs
+from tests.conftest import SigtermAt, tiny_trainer_kwargs
 
 
 class Net(LightningModule):
@@ -62,17 +60,6 @@ class WithMetrics(Net):
         self.log("metric_accuracy", self.accuracy.compute())
         self.mean_loss.reset()
         self.accuracy.reset()
-
-
-class SigtermAt(Callback):
-    """Sends this process a real SIGTERM at the start of one batch."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def fit(root: Path, version: str, extra: list[Callback], ckpt_path: str | None = None, model=Net) -> None:

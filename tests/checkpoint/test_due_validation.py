@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.checkpoint import Preempted, PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.data import ResumableDataLoader
-from tests.checkpoint.test_curves import Net, SigtermAt, curve
-from tests.conftest import tiny_trainer_kwargs
+from tests.checkpoint.test_curves import Net, curve
+from tests.conftest import SigtermAt, tiny_trainer_kwargs
 
 
 class Validated(Net):

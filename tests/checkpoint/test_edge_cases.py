@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,7 +27,7 @@ from lightning_accel.checkpoint import (
     verify,
 )
 from lightning_accel.checkpoint.durable import manifest_path
-from tests.conftest import tiny_trainer_kwargs
+from tests.conftest import SigtermAt, tiny_trainer_kwargs
 
 
 class Wide(LightningModule):
@@ -144,15 +143,6 @@ def test_missing_or_unreadable_manifest_is_ranked_by_name_and_warned(tmp_path):
     assert verdict and verdict.checked_by == "zip"
 
 
-class SignalAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def test_handler_chains_the_users_own_and_fit_leaves_the_original_in_place(tmp_path):
     calls = []
 
@@ -162,7 +152,7 @@ def test_handler_chains_the_users_own_and_fit_leaves_the_original_in_place(tmp_p
     previous = signal.signal(signal.SIGTERM, users_handler)
     try:
         cb = PreemptionCheckpoint(tmp_path / "ck")
-        trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=20, callbacks=[SignalAt(3), cb]))
+        trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=20, callbacks=[SigtermAt(3), cb]))
         with pytest.raises(Preempted) as stopped:
             trainer.fit(Wide(width=16), train_dataloaders=loader())
         assert stopped.value.code == 75 and stopped.value.checkpoint == tmp_path / "ck" / "step=00000004.ckpt"

@@ -21,7 +21,7 @@ from lightning.pytorch import Trainer
 from lightning_accel import PreemptionCheckpoint, ResumableStreamLoader, find_resume_checkpoint
 from lightning_accel.checkpoint import Preempted
 from lightning_accel.testing import quiet_trainer_kwargs
-from tests.checkpoint.test_curves import SigtermAt
+from tests.conftest import SigtermAt
 from tests.data.test_stream import Net, Stream
 
 

@@ -20,8 +20,7 @@ from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, find_resu
 from lightning_accel.checkpoint import Preempted
 from lightning_accel.data import PerSampleSeed, tag_epochs
 from lightning_accel.data.seeding import sample_seed
-from tests.checkpoint.test_curves import SigtermAt
-from tests.conftest import tiny_trainer_kwargs
+from tests.conftest import SigtermAt, tiny_trainer_kwargs
 
 
 class Augmented(Dataset):

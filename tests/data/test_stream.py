@@ -19,8 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, ResumableStreamLoader, find_resume_checkpoint
 from lightning_accel.checkpoint import Preempted
-from tests.checkpoint.test_curves import SigtermAt
-from tests.conftest import tiny_trainer_kwargs
+from tests.conftest import SigtermAt, tiny_trainer_kwargs
 
 
 class Stream(IterableDataset):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accel import PreemptionCheckpoint
 from lightning_accel.checkpoint import Preempted
 from lightning_accel.monitor import HANG_EXIT_CODE, HangSentinel
-from tests.conftest import requires_cuda, tiny_trainer_kwargs
+from tests.conftest import SigtermAt, requires_cuda, tiny_trainer_kwargs
 
 SCRIPT = Path(__file__).parent / "hang_run.py"
 ROOT = Path(__file__).parents[2]
@@ -197,13 +196,7 @@ def test_a_preemption_caught_in_a_notebook_leaves_no_watchdog_behind(tmp_path):
     """Lightning runs no teardown hook after an exception: the sentinel stops its watchdog in on_exception, so
     the idle kernel afterwards is not taken for a hang (which would end it with exit 76)."""
     sentinel = HangSentinel(floor_s=0.2, startup_s=30, poll_s=0.02, dirpath=tmp_path)
-
-    class StopAt3(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    callbacks = [sentinel, PreemptionCheckpoint(tmp_path / "ck"), StopAt3()]
+    callbacks = [sentinel, PreemptionCheckpoint(tmp_path / "ck"), SigtermAt(3)]
     trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=20, callbacks=callbacks))
     with pytest.raises(Preempted):
         trainer.fit(Quick(), DataLoader(TensorDataset(torch.randn(96, 4)), batch_size=4))

@@ -16,8 +16,7 @@ from torch.utils.data import TensorDataset
 from lightning_accel import ActivationCheckpointing, PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
 from lightning_accel.checkpoint import Preempted
 from lightning_accel.strategies import activation_checkpointing, checkpoint_blocks, find_block_classes
-from tests.checkpoint.test_curves import SigtermAt
-from tests.conftest import tiny_trainer_kwargs
+from tests.conftest import SigtermAt, tiny_trainer_kwargs
 
 
 class Block(nn.Module):
