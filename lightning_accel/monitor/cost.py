@@ -51,14 +51,18 @@ class Pricing:
                 "market"
             )
 
+    def price_for(self, market: str) -> float | None:
+        """The price of one device or node and hour on ``market``."""
+        return self.spot_per_hour if market == "spot" else self.on_demand_per_hour
+
     @property
     def price_per_hour(self) -> float | None:
         """The price this run pays, per device or node and hour."""
-        return self.spot_per_hour if self.market == "spot" else self.on_demand_per_hour
+        return self.price_for(self.market)
 
     def per_second(self, world_size: int, num_nodes: int, market: str | None = None) -> float:
         """Dollars per second of the whole job (every device, or every node)."""
-        price = self.spot_per_hour if (market or self.market) == "spot" else self.on_demand_per_hour
+        price = self.price_for(market or self.market)
         if price is None:
             raise ValueError(f"Pricing: no {(market or self.market)} price set")
         return price * (world_size if self.per == "device" else num_nodes) / 3600.0

@@ -104,10 +104,11 @@ class IdleMonitor(Callback):
         while not self._stop.wait(self.poll_s):
             idle = time.monotonic() - self._last_step
             self._export(idle)
-            if idle < self.idle_after_s or idle - reported_at < self.idle_after_s:
-                if idle < self.idle_after_s:
-                    reported_at = 0.0
+            if idle < self.idle_after_s:
+                reported_at = 0.0  # stepping again: the next idle spell is reported afresh
                 continue
+            if idle - reported_at < self.idle_after_s:
+                continue  # reported less than idle_after_s ago
             reported_at = idle
             self.alarms += 1
             what = "since training finished" if self.finished else "without an optimizer step"
@@ -144,10 +145,6 @@ class IdleMonitor(Callback):
             code = -1
         self.ran.append((reason, code))
         log.warning("IdleMonitor: %s exited with %d", shlex.join(command), code)
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and not self.watch_after_fit:
-            self._stop.set()
 
     def close(self) -> None:
         """Stop watching (and close an exporter this monitor owns)."""

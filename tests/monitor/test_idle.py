@@ -48,7 +48,8 @@ def writer(path) -> list[str]:
 
 def test_a_fit_without_steps_is_reported_and_the_commands_run_once_each(tmp_path, caplog):
     ran = tmp_path / "ran.txt"
-    monitor = la.IdleMonitor(idle_after_s=0.4, poll_s=0.05, on_idle=writer(ran), after_fit=writer(ran))
+    # 0.5 s: one alarm inside the 0.8 s stall (a second would need 1.0 s; 0.4 s put it on the edge)
+    monitor = la.IdleMonitor(idle_after_s=0.5, poll_s=0.05, on_idle=writer(ran), after_fit=writer(ran))
     with caplog.at_level(logging.WARNING, logger="lightning_accel.monitor.idle"):
         fit(tmp_path, monitor)
         monitor.close()
