@@ -226,3 +226,42 @@ def nccl_flight_recorder_dump() -> bytes | None:
         return bytes(dump())
     except RuntimeError:  # no NCCL process group, or the recorder is off (TORCH_NCCL_TRACE_BUFFER_SIZE unset)
         return None
+
+
+# Where the fit loop's per-rank batch counters sit in a checkpoint (``FitLoop.state_dict`` -> ``_TrainingEpochLoop``'s
+# ``batch_progress``: ``current`` is this epoch's, ``total`` the run's, each ready/started/processed/completed).
+FIT_LOOP_BATCH_PROGRESS = ("loops", "fit_loop", "epoch_loop.batch_progress")
+
+
+def rescale_train_batches(checkpoint: dict[str, Any], saved_world_size: int, world_size: int) -> int:
+    """Re-count the fit loop's per-rank batch counters in ``checkpoint`` for ``world_size`` ranks, before Lightning
+    restores its loops from it (its ``batch_idx``, accumulation boundaries and last-batch logic read them).
+
+    ``current`` must be a whole number of batches per rank at the new size (the caller checks); ``total`` keeps the
+    earlier epochs' batches at the rate they had. Returns the new ``current`` batch count.
+    """
+    progress: Any = checkpoint
+    for key in FIT_LOOP_BATCH_PROGRESS:
+        if not isinstance(progress, dict) or key not in progress:
+            return 0  # no fit loop saved (a weights-only checkpoint): nothing to re-count
+        progress = progress[key]
+    current, total = progress["current"], progress["total"]
+    # Only the batch count changes: a checkpoint written in on_train_batch_end has completed = ready - 1, and the
+    # restart logic reads that offset to know where the save happened.
+    saved = dict(current)
+    ready = saved["ready"] * saved_world_size // world_size
+    earlier = round((total["ready"] - saved["ready"]) * saved_world_size / world_size)
+    for key, count in saved.items():
+        current[key] = ready + count - saved["ready"]
+        total[key] = earlier + current[key]
+    return int(ready)
+
+
+def train_batches_in_checkpoint(checkpoint: dict[str, Any]) -> int:
+    """This epoch's batches per rank that ``checkpoint`` records as ready (0 when it has no fit loop)."""
+    progress: Any = checkpoint
+    for key in FIT_LOOP_BATCH_PROGRESS:
+        if not isinstance(progress, dict) or key not in progress:
+            return 0
+        progress = progress[key]
+    return int(progress["current"]["ready"])

@@ -231,3 +231,29 @@ def test_torch_private_names_the_hang_sentinel_reaches_are_still_there(tmp_path)
         dist.destroy_process_group()
     if not torch.cuda.is_available():
         assert nccl_flight_recorder_dump() is None
+
+
+def test_the_fit_loop_batch_counters_a_world_change_recounts_are_where_the_checkpoint_keeps_them(tmp_path):
+    """A checkpoint saved in on_train_batch_end holds the fit loop's per-rank batch counters at
+    FIT_LOOP_BATCH_PROGRESS, current and total, each with ready/started/processed/completed (completed one behind:
+    the restart logic reads that offset); rescale_train_batches keeps the offset and scales the count."""
+    from lightning.pytorch import Callback
+
+    saved = {}
+
+    class SaveAt4(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4 and not saved:
+                trainer.save_checkpoint(tmp_path / "c.ckpt")
+                saved["ck"] = torch.load(tmp_path / "c.ckpt", weights_only=False)
+
+    trainer = Trainer(**quiet_trainer_kwargs(max_steps=5, default_root_dir=str(tmp_path), callbacks=[SaveAt4()]))
+    trainer.fit(BoringModel())
+    ck = saved["ck"]
+    assert _compat.train_batches_in_checkpoint(ck) == 4
+    counts = ck
+    for key in _compat.FIT_LOOP_BATCH_PROGRESS:
+        counts = counts[key]
+    assert counts["current"] == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
+    assert _compat.rescale_train_batches(ck, 2, 1) == 8
+    assert counts["current"] == counts["total"] == {"ready": 8, "started": 8, "processed": 8, "completed": 7}

@@ -84,17 +84,28 @@ def warn_if_not_resumable(loaders: Any) -> None:
             )
 
 
-def warn_if_world_size_changed(saved: int | None, now: int) -> None:
-    """``saved``: the world size that wrote the checkpoint being resumed (``None``: not resuming)."""
-    if saved is None or saved == now:
-        return
-    rank_zero_warn(
-        f"PreemptionCheckpoint: this checkpoint was written by {saved} rank(s) and the run resumes on {now}. The data "
-        "position, the RNG states and the running epoch values are saved per rank, so the rest of the interrupted "
-        "epoch is not exact: samples are trained twice or skipped, ranks without a saved RNG state take rank 0's, "
-        "and the epoch's logged values start over. Resume at the world size that saved for an exact resume "
-        "(docs/checkpointing.md)."
-    )
+def refuse_loaders_that_cannot_follow(loaders: Any, change: Any) -> None:
+    """On a resume at another world size (``change``, a ``WorldChange``): every train loader must be able to go on
+    from the saved point of a global order (``follows_world_size``, as ``ResumableDataLoader`` does). A map-style
+    loader that saved a per-rank position is refused; a stream, whose shards are its own, is warned about."""
+    for loader in flat_loaders(loaders):
+        if loader is None or getattr(loader, "follows_world_size", False):
+            continue
+        if isinstance(getattr(loader, "dataset", None), IterableDataset):
+            rank_zero_warn(
+                f"PreemptionCheckpoint: resuming on another number of ranks ({change}) with a stream: each rank's "
+                "stream position is its own, so ranks that are new take rank 0's and the rest of the epoch repeats or "
+                "skips samples. Use a map-style dataset in lightning_accel.ResumableDataLoader for an exact resume."
+            )
+            continue
+        raise RuntimeError(
+            f"PreemptionCheckpoint: resuming on another number of ranks ({change}), but the train loader "
+            f"({type(loader).__name__} over {type(getattr(loader, 'sampler', None)).__name__}) saved each rank's "
+            "position in its own share of the data, which does not map onto another split: the rest of the epoch "
+            "would repeat or skip samples. Use lightning_accel.ResumableDataLoader (same arguments as DataLoader; its "
+            "position is a point in one global order), or resume on "
+            f"{change.saved_world_size} rank(s) (docs/checkpointing.md, 'Another world size')."
+        )
 
 
 def warn_if_epoch_order_is_lost(loaders: Any, epoch: int) -> None:

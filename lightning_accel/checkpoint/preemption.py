@@ -30,16 +30,17 @@ from lightning_accel.checkpoint.epoch_state import (
     warn_about_unsaved_metrics,
 )
 from lightning_accel.checkpoint.loader_state import (
+    refuse_loaders_that_cannot_follow,
     warn_if_epoch_order_is_lost,
     warn_if_not_resumable,
-    warn_if_world_size_changed,
 )
 from lightning_accel.checkpoint.retention import KeepLast
-from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng
+from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng, rng_for_rank
 from lightning_accel.checkpoint.save_timing import SaveTimer
 from lightning_accel.checkpoint.sharded import seal_folder
 from lightning_accel.checkpoint.signals import StopSignals
-from lightning_accel.ranks import for_rank, gather_from_ranks
+from lightning_accel.checkpoint.world_change import WORLD_KEY, WorldChange, follow_world_change, world_of
+from lightning_accel.ranks import gather_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class PreemptionCheckpoint(Callback):
         self._pending_rng: list[RNGState] | None = None
         self._validation_rng: RNGState | None = None
         self._deferred = False  # a save that fell on an epoch's last batch, done at the next step
-        self._saved_world_size: int | None = None  # of the checkpoint this fit resumes, if any
+        self._world_change: WorldChange | None = None  # this fit resumes a checkpoint written on another world size
         self._pending_epoch_state: list[EpochState] | None = None  # every rank's, until the first resumed batch
         self._pending_results: PendingResults | None = None  # logged values not yet folded into the resumed epoch
         self._validation_due = False  # after the batch being saved by save(); after the one resumed from, on load
@@ -165,7 +166,7 @@ class PreemptionCheckpoint(Callback):
         self.preempted, self.saved, self._deferred = False, [], False
         self.save_timer.reset()
         self.stop_signals.reset()
-        self._saved_world_size = None
+        self._world_change = None
         self._pending_epoch_state, self._pending_results = None, None
         self._validation_due = False
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
@@ -205,7 +206,8 @@ class PreemptionCheckpoint(Callback):
         warn_if_not_resumable(trainer.train_dataloader)
         if self._pending_rng is not None:  # resuming
             warn_if_epoch_order_is_lost(trainer.train_dataloader, trainer.current_epoch)
-        warn_if_world_size_changed(self._saved_world_size, trainer.world_size)
+        if self._world_change is not None:
+            refuse_loaders_that_cannot_follow(trainer.train_dataloader, self._world_change)
         warn_about_unsaved_metrics(pl_module)
         if trainer.strategy.reduce_boolean_decision(self.stop_signals.received is not None, all=False):  # any rank
             log.warning("received a stop signal before the first training step: nothing new to save, stopping")
@@ -254,7 +256,7 @@ class PreemptionCheckpoint(Callback):
         if self._pending_rng is not None:
             # Restored here, not at load time: the resumed loader's iterator draws from the RNG.
             states, self._pending_rng = self._pending_rng, None
-            restore_rng(for_rank(states, trainer.global_rank))
+            restore_rng(rng_for_rank(states, trainer.global_rank))
         if self._pending_epoch_state is not None:
             epoch_states, self._pending_epoch_state = self._pending_epoch_state, None
             if len(epoch_states) == trainer.world_size:  # else per-rank values do not map (warned at train start)
@@ -300,7 +302,7 @@ class PreemptionCheckpoint(Callback):
         self._validation_due = False
         if not trainer.enable_validation or self._pending_rng is None:
             return
-        restore_rng(for_rank(self._pending_rng, trainer.global_rank))
+        restore_rng(rng_for_rank(self._pending_rng, trainer.global_rank))
         self._stash_rng_for_validation()
         log.info("running the validation that was due after step %d before training on", trainer.global_step)
         run_due_validation(trainer)
@@ -375,10 +377,12 @@ class PreemptionCheckpoint(Callback):
         checkpoint[RUN_ID_KEY] = self.run_id
         checkpoint[EPOCH_STATE_KEY] = gather_from_ranks(capture_epoch_state(trainer, pl_module))
         checkpoint[VALIDATION_DUE_KEY] = self._validation_due  # True only in save(), at a training batch's end
+        checkpoint[WORLD_KEY] = world_of(trainer)
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_epoch_state = checkpoint.get(EPOCH_STATE_KEY)
         self._validation_due = bool(checkpoint.get(VALIDATION_DUE_KEY, False))
+        self._world_change = follow_world_change(trainer, checkpoint, self.state_key)  # before the loops load
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -389,5 +393,3 @@ class PreemptionCheckpoint(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng_states")
         self.run_id = state_dict.get("run_id") or self.run_id
-        # checkpoints from before "world_size" was saved: one RNG state per rank tells the same
-        self._saved_world_size = state_dict.get("world_size") or len(self._pending_rng or []) or None

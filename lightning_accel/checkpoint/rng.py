@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -35,3 +36,24 @@ def restore_rng(state: RNGState) -> None:
 def gather_rng_states() -> list[RNGState]:
     """Every rank's generator states, in rank order (a collective: every rank must call it)."""
     return gather_from_ranks(capture_rng())
+
+
+def rng_for_rank(states: list[RNGState], rank: int) -> RNGState:
+    """The generator states ``rank`` resumes with: its own when the checkpoint has them, else states derived from rank
+    0's and ``rank`` (a rank that joined: the same on every resume of that checkpoint, and not another rank's)."""
+    if rank < len(states):
+        return states[rank]
+    root = states[0]["torch"].numpy().tobytes() + rank.to_bytes(8, "little")
+    return seeded_rng(int.from_bytes(hashlib.blake2b(root, digest_size=8).digest(), "little") >> 1)
+
+
+def seeded_rng(seed: int) -> RNGState:
+    """The states every generator has after being seeded with ``seed`` (this process's own are left as they were)."""
+    saved = capture_rng()
+    try:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        return capture_rng()
+    finally:
+        restore_rng(saved)

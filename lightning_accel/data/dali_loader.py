@@ -166,8 +166,10 @@ class DALILoader:
             raise ValueError(f"DALILoader state has no DALI checkpoint: got keys {sorted(state)}")
         if self.shard_id >= len(checkpoints):
             raise ValueError(
-                f"the checkpoint holds DALI states for {len(checkpoints)} shards, this is shard {self.shard_id}: "
-                "resuming with a different world size is not exact (see docs/checkpointing.md)"
+                f"the checkpoint holds DALI reader states of {len(checkpoints)} shards, this is shard {self.shard_id}: "
+                "DALI's readers save a position within their own shard, which does not map onto another split. "
+                f"Resume on {len(checkpoints)} rank(s), or train from lightning_accel.ResumableDataLoader to resume "
+                "on any number (docs/checkpointing.md, 'Another world size')"
             )
         self.iterator = self._build(checkpoints[self.shard_id])
         self._handed, self._resumed = int(state.get("batches_in_epoch", 0)), True

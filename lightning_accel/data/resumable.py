@@ -4,7 +4,8 @@ Lightning saves and restores the state of any train DataLoader that has ``state_
 (see ``CombinedLoader._state_dicts``); a plain ``DataLoader`` has none, so after a mid-epoch resume it
 would replay the epoch from its first batch. :class:`ResumableDataLoader` fills that gap without
 torchdata: its sampler is a seeded :class:`~torch.utils.data.DistributedSampler` (Lightning keeps it
-as-is under DDP and calls ``set_epoch`` on it) that can skip the samples already consumed.
+as-is under DDP and calls ``set_epoch`` on it) that deals one global order to the ranks a batch at a time, so the
+position saved is a point in that order, and a resume on another number of ranks goes on from it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,19 @@ from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
 
 
 class ResumableSampler(DistributedSampler):
-    """Seeded, rank-sharded sampler that can skip the first ``n`` samples of its next epoch.
+    """Seeded sampler over one global order per epoch, dealt to the ranks a batch at a time, that can start its
+    next epoch anywhere in that order.
 
-    Works in a single process too: ``num_replicas`` and ``rank`` default to the process group's, read
-    when an epoch starts (so a loader built before ``Trainer.fit`` shards right), else 1 and 0. The
-    order depends only on ``seed`` and the epoch, never on global RNG state.
+    The epoch's order is a permutation seeded by ``seed`` and the epoch only, never by the number of ranks. It is
+    cut into slots of ``batch_size`` samples, dealt round robin: rank ``r`` of ``W`` trains slots ``r``, ``r + W``,
+    ``r + 2W``... So what a run has consumed is always a prefix of the global order, at any world size, and a run
+    resumed on another number of ranks trains the rest of the epoch from where the saved one stopped, in the same
+    batches (:meth:`start_next_epoch_at`). With ``batch_size=1`` this is ``DistributedSampler``'s own split.
+
+    Every rank gets as many slots: when they do not deal evenly, the epoch's first slots are dealt again (as
+    ``DistributedSampler`` pads), or with ``drop_last`` the last incomplete slot and the uneven rest are dropped.
+    Works in a single process too: ``num_replicas`` and ``rank`` default to the process group's, read when an epoch
+    starts (so a loader built before ``Trainer.fit`` shards right), else 1 and 0.
     """
 
     def __init__(
@@ -40,6 +49,7 @@ class ResumableSampler(DistributedSampler):
         drop_last: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
+        batch_size: int = 1,
     ) -> None:
         # Loaders are often built before Trainer.fit creates the process group: without an explicit
         # num_replicas/rank, they are read from the process group each time an epoch starts.
@@ -47,36 +57,60 @@ class ResumableSampler(DistributedSampler):
         super().__init__(
             dataset, num_replicas=num_replicas or 1, rank=rank or 0, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
-        self._skip = 0
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.batch_size = batch_size
+        self._start_slot = 0
         self._follow_process_group()
 
     def _follow_process_group(self) -> None:
-        if not (self._from_process_group and dist.is_available() and dist.is_initialized()):
-            return
-        replicas, rank = dist.get_world_size(), dist.get_rank()
-        if (replicas, rank) == (self.num_replicas, self.rank):
-            return
-        self.num_replicas, self.rank = replicas, rank
+        if self._from_process_group and dist.is_available() and dist.is_initialized():
+            self.num_replicas, self.rank = dist.get_world_size(), dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the slots are dealt to (the process group's, when not given)."""
+        self._follow_process_group()
+        return self.num_replicas
+
+    def _slot_count(self) -> int:
         n = len(self.dataset)  # type: ignore[arg-type]
-        # DistributedSampler's own sizing, redone for the new world size.
-        self.num_samples = (
-            math.ceil((n - replicas) / replicas) if self.drop_last and n % replicas else math.ceil(n / replicas)
-        )
-        self.total_size = self.num_samples * replicas
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __len__(self) -> int:
-        self._follow_process_group()
-        return super().__len__()
+        """Samples per rank in a whole epoch, counted in full slots (the loader's length is this over the batch)."""
+        slots, replicas = self._slot_count(), self.world_size
+        per_rank = slots // replicas if self.drop_last else math.ceil(slots / replicas)
+        return per_rank * self.batch_size
 
-    def skip_next_epoch_start(self, num_samples: int) -> None:
-        """Make the next ``__iter__`` start ``num_samples`` into this rank's order."""
-        self._skip = num_samples
+    def global_slots(self) -> list[list[int]]:
+        """This epoch's order cut into slots of ``batch_size`` (the last one short unless ``drop_last``)."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation
+            order = torch.randperm(n, generator=generator).tolist()
+        else:
+            order = list(range(n))
+        slots = [
+            order[i : i + self.batch_size] for i in range(0, self._slot_count() * self.batch_size, self.batch_size)
+        ]
+        return [slot for slot in slots if slot]
+
+    def start_next_epoch_at(self, slot: int) -> None:
+        """Make the next ``__iter__`` deal the global order from ``slot`` on (slots before it were trained)."""
+        self._start_slot = slot
 
     def __iter__(self) -> Iterator[int]:
-        self._follow_process_group()
-        indices = list(super().__iter__())
-        skip, self._skip = self._skip, 0
-        return iter(indices[skip:])
+        replicas = self.world_size
+        slots = self.global_slots()
+        start, self._start_slot = self._start_slot, 0
+        rest = slots[start:]
+        uneven = len(rest) % replicas
+        if uneven and self.drop_last:
+            rest = rest[: len(rest) - uneven]
+        elif uneven and slots:
+            rest += [slots[i % len(slots)] for i in range(replicas - uneven)]
+        return iter([index for slot in rest[self.rank :: replicas] for index in slot])
 
 
 class ResumableDataLoader(DataLoader):
@@ -96,6 +130,8 @@ class ResumableDataLoader(DataLoader):
             ``sampler`` may be given only as a :class:`ResumableSampler`.
     """
 
+    follows_world_size = True  # PreemptionCheckpoint resumes it on another number of ranks
+
     def __init__(
         self,
         dataset: Dataset,
@@ -114,12 +150,14 @@ class ResumableDataLoader(DataLoader):
             )
         sampler = kwargs.pop("sampler", None)
         if sampler is None:
-            sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed)
+            sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
         elif not isinstance(sampler, ResumableSampler):
             raise TypeError(
                 f"ResumableDataLoader needs a ResumableSampler, got {type(sampler).__name__}; "
                 "pass shuffle/seed instead of a sampler"
             )
+        # The sampler deals whole batches to the ranks, and drops what the loader would drop.
+        sampler.batch_size, sampler.drop_last = batch_size, drop_last
         if per_sample_seed:
             dataset, sampler = PerSampleSeed(dataset, seed), tag_epochs(sampler)
         self.per_sample_seed = per_sample_seed
@@ -131,16 +169,34 @@ class ResumableDataLoader(DataLoader):
         self._seed = seed
         self._yielded = 0
         self._exhausted = False
-        self._resume_at = 0
+        self._resume_at: dict[str, int] | None = None  # a loaded state, applied when the next epoch starts
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        start, self._resume_at = self._resume_at, 0
-        if start:
-            self.sampler.skip_next_epoch_start(start * self.batch_size)
-        self._yielded, self._exhausted = start, False
+        world_size = self.sampler.world_size
+        start = self._start_slot(world_size)
+        self.sampler.start_next_epoch_at(start)
+        self._yielded, self._exhausted = start // world_size, False
         if self._seed_generator:
             self.generator = torch.Generator().manual_seed(self._seed * 100_003 + int(self.sampler.epoch))
         return self._count(super().__iter__())
+
+    def _start_slot(self, world_size: int) -> int:
+        """The global slot this epoch starts at: 0, or where the loaded state left off, at any world size."""
+        state, self._resume_at = self._resume_at, None
+        if not state:
+            return 0
+        # Saved at an optimizer step: the slots consumed are batches x ranks of the run that saved.
+        samples = (
+            state["batches_consumed"] * state.get("world_size", world_size) * state.get("batch_size", self.batch_size)
+        )
+        if samples % self.batch_size or (samples // self.batch_size) % world_size:
+            raise ValueError(
+                f"ResumableDataLoader: the checkpoint's position ({samples} samples into epoch {state['epoch']}) is "
+                f"not a whole number of batches of {self.batch_size} on each of {world_size} rank(s). Resume with the "
+                f"batch size that saved ({state.get('batch_size', self.batch_size)}) on a number of ranks that divides "
+                "the saved global batch (PreemptionCheckpoint checks this when the checkpoint loads)."
+            )
+        return samples // self.batch_size
 
     def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
         for batch in batches:
@@ -149,18 +205,20 @@ class ResumableDataLoader(DataLoader):
         self._exhausted = True
 
     def state_dict(self) -> dict[str, int]:
-        """Where the next batch comes from: epoch, and batches of it already trained on.
+        """Where the next batch comes from: the epoch, the batches of it each rank has trained on, and the world size
+        and batch size that counted them (``batches_consumed x world_size`` slots of the global order are done).
 
         After the last batch of an epoch this points at the start of the next one.
         """
         epoch = int(self.sampler.epoch)
+        sizes = {"world_size": self.sampler.world_size, "batch_size": int(self.batch_size)}
         # At the epoch's last batch the iterator has not raised StopIteration yet, but nothing is left.
         if self._exhausted or self._yielded >= len(self):
-            return {"epoch": epoch + 1, "batches_consumed": 0}
-        return {"epoch": epoch, "batches_consumed": self._yielded}
+            return {"epoch": epoch + 1, "batches_consumed": 0, **sizes}
+        return {"epoch": epoch, "batches_consumed": self._yielded, **sizes}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved position.
+        """Continue from a saved position, saved at this world size or another one.
 
         The sampler epoch is set here, not left to Lightning's ``set_epoch``: on resume Lightning
         creates the epoch's iterator before it sets the epoch, so the order would be epoch 0's.
@@ -169,4 +227,4 @@ class ResumableDataLoader(DataLoader):
         if missing:
             raise ValueError(f"ResumableDataLoader state is missing {sorted(missing)}: got {state}")
         self.sampler.set_epoch(int(state["epoch"]))
-        self._resume_at = int(state["batches_consumed"])
+        self._resume_at = {key: int(value) for key, value in state.items()}

@@ -233,33 +233,6 @@ def test_stateful_loader_whose_sampler_lightning_wrapped_is_flagged():
     assert not has_wrapped_stateful_sampler(StatefulDataLoader(data, batch_size=4, shuffle=True))
 
 
-def test_a_resume_at_another_world_size_warns_naming_both(tmp_path):
-    """A checkpoint written by 2 ranks (world_size and one RNG state per rank, as a 2-rank save writes them),
-    resumed on 1: the run warns that the rest of the epoch is not exact, naming both sizes; at the saved size no
-    such warning."""
-    from lightning_accel.data import ResumableDataLoader
-
-    def fit(ckpt_path=None, max_steps=3):
-        cb = PreemptionCheckpoint(tmp_path / "ck", every_n_steps=3, keep_last=None)
-        data = TensorDataset(torch.randn(96, 8), torch.randint(0, 2, (96,)))
-        trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=max_steps, callbacks=[cb]))
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            trainer.fit(Wide(), ResumableDataLoader(data, batch_size=8, shuffle=True), ckpt_path=ckpt_path)
-        return [str(w.message) for w in record if "rank(s) and the run resumes" in str(w.message)]
-
-    assert fit() == []
-    saved = find_resume_checkpoint(tmp_path / "ck")
-    assert fit(saved, max_steps=4) == []  # same world size: exact, nothing to say
-    checkpoint = torch.load(saved, weights_only=False)
-    state = checkpoint["callbacks"]["PreemptionCheckpoint"]
-    assert state["world_size"] == 1 and len(state["rng_states"]) == 1
-    state.update(world_size=2, rng_states=state["rng_states"] * 2)
-    atomic_save(checkpoint, saved)  # a valid checkpoint with its manifest, as two ranks would have written it
-    (warning,) = fit(saved, max_steps=4)
-    assert "written by 2 rank(s) and the run resumes on 1" in warning and "not exact" in warning
-
-
 @pytest.mark.parametrize("damage", ["{not json", "[]", "null", "{}", '{"bytes": 12}', '{"xxh3_64": "ab"}'])
 def test_every_kind_of_manifest_damage_gets_one_policy_and_says_what_it_found(tmp_path, damage):
     """Garbage, a list, null, an empty object or one missing the size or the checksum: the manifest is not trusted,

@@ -44,12 +44,17 @@ def test_resumable_loader_skips_consumed_batches_of_same_epoch():
     it = iter(first)
     seen = [next(it).tolist() for _ in range(2)]
     state = first.state_dict()
-    assert state == {"epoch": 2, "batches_consumed": 2}
+    assert state == {"epoch": 2, "batches_consumed": 2, "world_size": 1, "batch_size": 4}
 
     resumed = ResumableDataLoader(data, batch_size=4, seed=7)
     resumed.load_state_dict(state)  # sets the epoch itself: Lightning iterates before set_epoch on resume
     assert seen + [b.tolist() for b in resumed] == expected
-    assert resumed.state_dict() == {"epoch": 3, "batches_consumed": 0}  # exhausted: next epoch's start
+    assert resumed.state_dict() == {
+        "epoch": 3,
+        "batches_consumed": 0,
+        "world_size": 1,
+        "batch_size": 4,
+    }  # exhausted: next epoch's start
 
 
 def test_state_after_an_epoch_points_at_the_next_one():

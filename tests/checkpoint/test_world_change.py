@@ -1,0 +1,284 @@
+"""Resuming on another number of ranks: one global data order, the global batch kept, the loop counters re-counted,
+and what cannot follow refused with the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
+from lightning_accel._compat import FIT_LOOP_BATCH_PROGRESS
+from lightning_accel.checkpoint import atomic_save
+from lightning_accel.checkpoint.preemption import EPOCH_STATE_KEY
+from lightning_accel.checkpoint.rng import rng_for_rank, seeded_rng
+from lightning_accel.checkpoint.world_change import WORLD_KEY, WorldChange, apply_world_change, plan_world_change
+from lightning_accel.data import ResumableSampler
+from tests.conftest import tiny_trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- the global order ---------------------------------------------------------------------------------------------
+def dealt(n: int, batch: int, world: int, start: int = 0, drop_last: bool = False, epoch: int = 1) -> list[list[int]]:
+    """Each rank's samples, from ``start`` (a global slot) on."""
+    ranks = []
+    for rank in range(world):
+        sampler = ResumableSampler(
+            range(n), seed=5, num_replicas=world, rank=rank, batch_size=batch, drop_last=drop_last
+        )
+        sampler.set_epoch(epoch)
+        sampler.start_next_epoch_at(start)
+        ranks.append(list(sampler))
+    return ranks
+
+
+def in_slot_order(ranks: list[list[int]], batch: int) -> list[int]:
+    """Rank 0's first batch, rank 1's first batch, ... rank 0's second batch: the order the slots were dealt in."""
+    batches = [[r[i : i + batch] for i in range(0, len(r), batch)] for r in ranks]
+    return [i for m in range(max(map(len, batches))) for b in batches if m < len(b) for i in b[m]]
+
+
+@pytest.mark.parametrize("n", [96, 22])  # even, and an epoch whose last batch is short and does not deal evenly
+def test_the_sampler_deals_one_global_order_whatever_the_world_size(n):
+    whole = in_slot_order(dealt(n, 4, 1), 4)
+    assert sorted(whole) == list(range(n)) and whole != list(range(n))  # a shuffled permutation, every sample once
+    for world in (2, 3, 4):
+        ranks = dealt(n, 4, world)
+        assert in_slot_order(ranks, 4)[:n] == whole, world  # then the epoch's first slots again, to even the ranks
+        assert (
+            len({len(ResumableSampler(range(n), num_replicas=world, rank=r, batch_size=4)) for r in range(world)}) == 1
+        )
+        # a run that consumed the first 6 slots at any size goes on at this one with the same samples, in order
+        assert in_slot_order(dealt(n, 4, world, start=6), 4)[: n - 24] == whole[24:], world
+    # drop_last: the short batch and the slots that do not deal evenly go; every rank has as many full batches
+    ranks = dealt(n, 4, 3, drop_last=True)
+    assert len({len(r) for r in ranks}) == 1 and all(len(r) % 4 == 0 for r in ranks)
+    assert in_slot_order(ranks, 4) == whole[: len(in_slot_order(ranks, 4))]
+    # with one sample per slot it is DistributedSampler's split: rank r takes order[r::W]
+    one = in_slot_order(dealt(n, 1, 1), 1)
+    assert dealt(n, 1, 2) == [(one + one[: n % 2])[0::2], (one + one[: n % 2])[1::2]]
+
+
+def test_a_loader_saved_on_two_ranks_goes_on_at_one_and_refuses_a_split_that_does_not_divide():
+    data = torch.arange(40)
+    ranks = [
+        ResumableDataLoader(data, 4, seed=1, sampler=ResumableSampler(data, seed=1, num_replicas=2, rank=r))
+        for r in (0, 1)
+    ]
+    iterators = [iter(loader) for loader in ranks]
+    seen = [[next(it) for _ in range(2)] for it in iterators]  # two batches on each rank: slots 0-3
+    state = ranks[0].state_dict()
+    assert state == {"epoch": 0, "batches_consumed": 2, "world_size": 2, "batch_size": 4}
+    one = ResumableDataLoader(data, 4, seed=1)
+    one.load_state_dict(state)
+    rest = list(one)
+    assert len(one) == 10 and len(rest) == 6  # the epoch's 10 batches, 4 of them done
+    done = torch.cat([seen[0][0], seen[1][0], seen[0][1], seen[1][1]])
+    assert sorted(torch.cat([done, *rest]).tolist()) == list(range(40))  # every sample once, none twice
+    assert one.state_dict() == {"epoch": 1, "batches_consumed": 0, "world_size": 1, "batch_size": 4}
+    three = ResumableDataLoader(data, 4, seed=1, sampler=ResumableSampler(data, seed=1, num_replicas=3, rank=0))
+    three.load_state_dict(state)
+    with pytest.raises(
+        ValueError, match=r"16 samples into epoch 0\) is not a whole number of batches of 4 on each of 3"
+    ):
+        iter(three)
+
+
+# -- the loop, the accumulation, the generators -------------------------------------------------------------------
+class Net(LightningModule):
+    """BatchNorm, Dropout, a per-step LR schedule and validation, as a user's model has them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), "interval": "step"}]
+
+
+def data(n: int = 96) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def batch_progress(checkpoint: dict) -> dict:
+    for key in FIT_LOOP_BATCH_PROGRESS:
+        checkpoint = checkpoint.setdefault(key, {})
+    return checkpoint
+
+
+def as_if_written_by_two_ranks(path: str) -> None:
+    """Rewrite a one-rank checkpoint as two ranks with half the accumulation would have written it at that step:
+    each rank half the batches, one RNG state and one epoch state per rank."""
+    ck = torch.load(path, weights_only=False)
+    ck[WORLD_KEY] = {"world_size": 2, "accumulate_grad_batches": ck[WORLD_KEY]["accumulate_grad_batches"] // 2}
+    progress = batch_progress(ck)
+    for counts in (progress["current"], progress["total"]):
+        ready = counts["ready"]
+        counts.update({key: ready // 2 + count - ready for key, count in counts.items()})
+    for state in ck["loops"]["fit_loop"]["state_dict"]["combined_loader"]:
+        if "world_size" in state:  # ResumableDataLoader's
+            state.update(batches_consumed=state["batches_consumed"] // 2, world_size=2)
+    callback = ck["callbacks"]["PreemptionCheckpoint"]
+    callback.update(rng_states=[callback["rng_states"][0], seeded_rng(7)], world_size=2)
+    ck[EPOCH_STATE_KEY] = ck[EPOCH_STATE_KEY] * 2
+    atomic_save(ck, path)
+
+
+def fit(tmp_path, train_loader, max_steps: int, accumulate: int, ckpt_path=None) -> tuple[Trainer, Net]:
+    torch.manual_seed(0)
+    model = Net()
+    callbacks = [PreemptionCheckpoint(tmp_path / "ck", every_n_steps=3, keep_last=None)]
+    kwargs = dict(max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=callbacks, limit_val_batches=1)
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, **kwargs))
+    trainer.fit(model, train_loader, DataLoader(data(16), batch_size=8), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def test_a_two_rank_checkpoint_resumed_on_one_rank_doubles_the_accumulation_and_continues_bitwise(tmp_path, caplog):
+    """A one-rank run accumulating 2 is what two ranks accumulating 1 compute (same batches, same steps). Its
+    checkpoint at step 3, rewritten as two ranks would have written it, resumed on one rank with the two-rank
+    script's accumulate_grad_batches=1: the accumulation becomes 2 (logged, old and new), and steps 4-8 (past an
+    epoch end and its validation, with Dropout drawing from rank 0's saved generators) are bitwise the one-rank
+    run's, twice over."""
+    loader = lambda: ResumableDataLoader(data(), batch_size=8, shuffle=True, seed=2)  # noqa: E731
+    whole_trainer, whole = fit(tmp_path / "whole", loader(), 8, 2)
+    fit(tmp_path, loader(), 3, 2)
+    saved = find_resume_checkpoint(tmp_path / "ck")
+    assert Path(saved).name == "step=00000003.ckpt"
+    as_if_written_by_two_ranks(saved)
+    for attempt in range(2):
+        with caplog.at_level("WARNING"), pytest.warns(UserWarning, match="resumed on 1 rank\\(s\\) from 2. Exact"):
+            trainer, resumed = fit(tmp_path / f"again{attempt}", loader(), 8, 1, ckpt_path=saved)
+        assert "2 -> 1 rank(s), accumulate_grad_batches 1 -> 2" in caplog.text
+        assert "(6 of this epoch's batches per rank done)" in caplog.text
+        assert trainer.accumulate_grad_batches == 2 and trainer.global_step == 8
+        assert trainer.current_epoch == whole_trainer.current_epoch
+        assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 8
+        expected = whole.state_dict()
+        assert all(torch.equal(t, expected[k]) for k, t in resumed.state_dict().items()), attempt
+    assert whole_trainer.optimizers[0].param_groups[0]["lr"] == trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_a_loader_that_saved_per_rank_positions_is_refused_naming_the_fix(tmp_path):
+    def loader():
+        return StatefulDataLoader(
+            data(), batch_size=8, sampler=StatefulDistributedSampler(data(), num_replicas=1, rank=0)
+        )
+
+    fit(tmp_path, loader(), 3, 2)
+    saved = find_resume_checkpoint(tmp_path / "ck")
+    as_if_written_by_two_ranks(saved)
+    with pytest.raises(RuntimeError, match=r"StatefulDataLoader over StatefulDistributedSampler.*ResumableDataLoader"):
+        fit(tmp_path / "again", loader(), 8, 1, ckpt_path=saved)
+
+
+def test_rank_generators_are_kept_or_derived_the_same_way_every_time():
+    states = [seeded_rng(1), seeded_rng(2)]
+    assert rng_for_rank(states, 1) is states[1]
+    joined = rng_for_rank(states, 2)
+    assert torch.equal(joined["torch"], rng_for_rank(states, 2)["torch"])  # the same on every resume
+    assert not torch.equal(joined["torch"], states[0]["torch"])  # and not a copy of rank 0's dropout masks
+    assert not torch.equal(joined["torch"], rng_for_rank(states, 3)["torch"])
+
+
+def trainer_like(world_size: int, accumulate: int, strategy=None, automatic: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(
+        world_size=world_size,
+        accumulate_grad_batches=accumulate,
+        strategy=strategy,
+        is_global_zero=True,
+        lightning_module=SimpleNamespace(automatic_optimization=automatic),
+    )
+
+
+def test_the_global_batch_is_kept_where_it_divides_and_the_refusals_say_what_would():
+    assert plan_world_change({"world_size": 4, "accumulate_grad_batches": 2}, trainer_like(4, 2)) is None
+    change = plan_world_change({"world_size": 4, "accumulate_grad_batches": 3}, trainer_like(2, 3))
+    assert change == WorldChange(4, 2, 3, 6) and change.keeps_global_batch
+    assert plan_world_change({"world_size": 2, "accumulate_grad_batches": 4}, trainer_like(8, 4)).accumulation == 1
+    with pytest.raises(ValueError, match=r"12 per-rank batches a step; 8 rank\(s\).*Resume on \[1, 2, 3, 4, 6, 12\]"):
+        plan_world_change({"world_size": 4, "accumulate_grad_batches": 3}, trainer_like(8, 3))
+    # the user chose an accumulation for the new size: theirs holds, and a changed global batch is said
+    mine = plan_world_change({"world_size": 4, "accumulate_grad_batches": 3}, trainer_like(8, 1))
+    assert mine == WorldChange(4, 8, 3, 1) and not mine.keeps_global_batch
+    ck: dict = {}
+    batch_progress(ck).update(current={"ready": 6}, total={"ready": 6})
+    with pytest.warns(UserWarning, match="averages 8 per-rank batches instead of 12"):
+        apply_world_change(mine, trainer_like(8, 1), ck)
+    manual = plan_world_change({"world_size": 2, "accumulate_grad_batches": 1}, trainer_like(1, 1))
+    with pytest.warns(UserWarning, match="manual optimization.*batches of 1 rank\\(s\\) now, not 2"):
+        apply_world_change(manual, trainer_like(1, 1, automatic=False), {"loops": {}})
+    batch_progress(ck)["current"]["ready"] = 3  # 3 x 4 ranks over 8: not whole
+    with pytest.raises(ValueError, match="stops 3 batch\\(es\\) into the epoch on each of 4 rank"):
+        apply_world_change(mine, trainer_like(8, 1), ck)
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # the type is all that is read
+    with pytest.raises(ValueError, match=r"universal checkpoint.*Resume on 4 rank"):
+        apply_world_change(change, trainer_like(2, 3, strategy=deepspeed), ck)
+
+
+# -- on real ranks --------------------------------------------------------------------------------------------------
+def trained_per_step(folder: Path, phases: list[str]) -> tuple[dict[int, list[list[int]]], dict]:
+    """Every micro-batch any rank trained, by the optimizer step it went into; and rank 0's final record."""
+    steps: dict[int, list[list[int]]] = {}
+    final: dict = {}
+    for phase in phases:
+        for path in sorted(folder.glob(f"{phase}-rank*.json")):
+            record = json.loads(path.read_text())
+            for step, ids in record["trained"]:
+                steps.setdefault(step, []).append(ids)
+            final = record if "params" in record else final
+    return {step: sorted(batches) for step, batches in sorted(steps.items())}, final
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_then_one_then_two_train_the_uninterrupted_runs_batches(tmp_path):
+    """Stopped on 2 gloo ranks inside an accumulation window, resumed on 1 (and stopped again in the next epoch),
+    then on 2 to the end: every optimizer step trains the same micro-batches as the uninterrupted 2-rank run
+    (compared as lists), steps, LR and epoch match, and the weights are within rtol 1e-4."""
+    script = ROOT / "tests/checkpoint/world_change_run.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def launch(ranks: int, folder: Path, phase: str, *stop_at: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(script)]
+        result = subprocess.run(
+            [*cmd, str(folder), phase, *stop_at], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+
+    whole, changing = tmp_path / "whole", tmp_path / "changing"
+    launch(2, whole, "whole")
+    launch(2, changing, "two", "2")  # saved at step 3
+    launch(1, changing, "one", "8")  # saved at step 9, in the second epoch
+    launch(2, changing, "two-again")
+    expected, reference = trained_per_step(whole, ["whole"])
+    got, final = trained_per_step(changing, ["two", "one", "two-again"])
+    assert len(expected) == 12 and all(len(batches) == 4 for batches in expected.values())
+    assert got == expected
+    one = json.loads((changing / "one-rank0.json").read_text())
+    assert one["world_size"] == 1 and one["accumulate"] == 4 and one["trained"][0][0] == 3
+    assert (final["global_step"], final["lr"]) == (reference["global_step"], reference["lr"])
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(torch.tensor(final["params"][name]), torch.tensor(value), rtol=1e-4, atol=1e-6)

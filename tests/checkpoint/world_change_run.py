@@ -1,0 +1,110 @@
+"""One attempt of a run whose world size changes between attempts (nodes leave and join), on gloo under torchrun.
+
+torchrun --nproc-per-node W tests/checkpoint/world_change_run.py OUT_DIR PHASE [STOP_AT_STEP]
+
+A model this test defines (BatchNorm between two linears, a per-step LR schedule), accumulate_grad_batches=2 at 2
+ranks, validation every epoch, ResumableDataLoader with shuffle. Every rank appends what it trained to
+OUT_DIR/PHASE-rankR.json: for each micro-batch the global step it belongs to and its sample ids; rank 0 adds the final
+step, LR and parameters. With STOP_AT_STEP, rank 0 gets a SIGTERM at the batch after that step (inside an
+accumulation window); PreemptionCheckpoint saves at the next optimizer step and the attempt exits 75.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
+from lightning_accel.checkpoint import Preempted
+from lightning_accel.testing import quiet_trainer_kwargs
+from tests.conftest import SigtermAt
+
+SAMPLES, BATCH = 96, 4
+ACCUMULATE_AT_2 = 2  # the run starts on 2 ranks: a step is 2 x 2 batches of 4
+
+
+class Indexed(Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.y = torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+class Net(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.trained: list[tuple[int, list[int]]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, i = batch
+        self.trained.append((self.trainer.global_step, i.tolist()))
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+        return [opt], [{"scheduler": sched, "interval": "step"}]
+
+    def train_dataloader(self):
+        return ResumableDataLoader(Indexed(SAMPLES, 0), batch_size=BATCH, shuffle=True, seed=3)
+
+    def val_dataloader(self):
+        return DataLoader(Indexed(16, 1), batch_size=8)
+
+
+def main(out: Path, phase: str, stop_at: int | None) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.manual_seed(0)
+    model = Net()
+    callbacks = [PreemptionCheckpoint(out / "ck", keep_last=None), *([SigtermAt(stop_at)] if stop_at else [])]
+    trainer = Trainer(
+        **quiet_trainer_kwargs(
+            accelerator="cpu",
+            devices=world_size,
+            strategy="ddp",
+            max_epochs=2,
+            accumulate_grad_batches=ACCUMULATE_AT_2,  # as the user's script says; a resume at 1 rank doubles it
+            default_root_dir=str(out),
+            callbacks=callbacks,
+            limit_val_batches=2,
+        )
+    )
+    if stop_at and trainer.global_rank != 0:
+        callbacks.pop()  # the signal reaches rank 0 only; the others learn of it through the vote
+    ckpt = find_resume_checkpoint(out / "ck")
+    try:
+        trainer.fit(model, ckpt_path=str(ckpt) if ckpt else None)
+    except Preempted:
+        pass
+    record = {"world_size": world_size, "trained": model.trained, "accumulate": trainer.accumulate_grad_batches}
+    if trainer.global_rank == 0:
+        record.update(
+            global_step=trainer.global_step,
+            lr=trainer.optimizers[0].param_groups[0]["lr"],
+            params={name: p.detach().tolist() for name, p in model.named_parameters()},
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{phase}-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
