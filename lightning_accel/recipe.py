@@ -19,6 +19,7 @@ from lightning_accel._compat import RICH_AVAILABLE, PrecisionInput, StepsProgres
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.precision import auto_precision
 from lightning_accel.strategies import check_strategy_name, init_restart_safe_process_group
+from lightning_accel.strategies.elastic import nodes_in_this_round
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,17 @@ class AccelTrainer(Trainer):
             precision = auto_precision(precision, accelerator=str(kwargs.get("accelerator", "auto")))
         if isinstance(kwargs.get("strategy"), str):
             check_strategy_name(kwargs["strategy"])
+        nodes = nodes_in_this_round()
+        if nodes is not None and kwargs.get("num_nodes", 1) != nodes:
+            # An elastic torchrun job (--nnodes MIN:MAX) has as many nodes as its current round: the recipe cannot
+            # name them, and Lightning refuses a num_nodes x devices that is not the world size.
+            log.info(
+                "num_nodes=%s in the recipe; torchrun's rendezvous round has %d node(s): using %d",
+                kwargs.get("num_nodes", 1),
+                nodes,
+                nodes,
+            )
+            kwargs["num_nodes"] = nodes
         callbacks = kwargs.get("callbacks") or []
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         wants_bar = kwargs.get("enable_progress_bar", True) is not False

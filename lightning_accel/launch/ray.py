@@ -97,15 +97,30 @@ def _worker(config: dict[str, Any]) -> None:
     build_cli(config["args"], cli_class=RayCLI)
 
 
+def worker_count(value: str) -> int | tuple[int, int]:
+    """``--ray.num_workers``: ``N`` workers, or ``MIN:MAX`` for Ray Train's elastic scaling (Ray >= 2.50, whose
+    ``ScalingConfig`` takes a range: the group starts with what the cluster has, at least MIN, and is resized as
+    nodes leave and join; each resize resumes the recipe's newest checkpoint at the new world size)."""
+    low, colon, high = value.partition(":")
+    try:
+        counts = (int(low), int(high)) if colon else (int(low), int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX workers, got {value!r}") from None
+    if not 1 <= counts[0] <= counts[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX workers, got {value!r}")
+    return counts if colon else counts[0]
+
+
 def fit_on_ray(
     args: list[str],
-    num_workers: int = 2,
+    num_workers: int | tuple[int, int] = 2,
     use_gpu: bool = False,
     max_failures: int = 0,
     storage_path: str | Path | None = None,
     report_every_n_steps: int = 10,
 ) -> Any:
-    """Run ``lightning-accel fit ARGS`` on ``num_workers`` Ray Train workers; returns Ray's ``Result``.
+    """Run ``lightning-accel fit ARGS`` on ``num_workers`` Ray Train workers (``(min, max)``: elastic, see
+    :func:`worker_count`); returns Ray's ``Result``.
 
     Connects to the cluster in ``RAY_ADDRESS`` (or starts a local one, as ``ray.init()`` does). ``args`` are
     those of ``lightning-accel fit`` (without the subcommand); use ``--ckpt_path auto`` with a
@@ -114,7 +129,7 @@ def fit_on_ray(
     several machines that directory must exist on each (shared storage).
     """
     _require_ray()
-    if num_workers < 1:
+    if min(num_workers if isinstance(num_workers, tuple) else (num_workers,)) < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -139,7 +154,7 @@ def split_ray_args(argv: list[str]) -> tuple[argparse.Namespace | None, list[str
     if not any(arg.startswith("--ray.") for arg in argv):
         return None, argv
     parser = argparse.ArgumentParser(prog="lightning-accel fit --ray.num_workers N", add_help=False)
-    parser.add_argument("--ray.num_workers", dest="num_workers", type=int, default=2)
+    parser.add_argument("--ray.num_workers", dest="num_workers", type=worker_count, default=2)
     parser.add_argument("--ray.max_failures", dest="max_failures", type=int, default=0)
     parser.add_argument("--ray.use_gpu", dest="use_gpu", action="store_true")
     parser.add_argument("--ray.storage_path", dest="storage_path", default=None)

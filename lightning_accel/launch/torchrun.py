@@ -44,6 +44,15 @@ def torchrun(argv: list[str]) -> int:
         print(f"{USAGE}\nerror: no subcommand ({', '.join(SUBCOMMANDS)}) in {' '.join(argv) or 'the arguments'}")
         return 2
     args = get_args_parser().parse_args([*argv[:split], "--module", "lightning_accel.cli", *argv[split:]])
+    if ":" in str(args.nnodes) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        # torch 2.13's shared rendezvous store gives a node that joins a running elastic job no address for the
+        # workers' store (the nodes already there never publish it again), so the join times out; a store per round
+        # does not have that flaw.
+        log.info(
+            "elastic job (--nnodes %s): one rendezvous store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)",
+            args.nnodes,
+        )
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         run(args)
     except SignalException as err:

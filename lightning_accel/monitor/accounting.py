@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_accel.monitor.cost import COST_KEYS
 from lightning_accel.monitor.ledger import BUCKETS, Ledger
+from lightning_accel.monitor.membership import MEMBERSHIP_KEYS
 
 THROUGHPUT_KEYS = (
     "throughput/samples_per_sec",
@@ -38,7 +39,7 @@ GOODPUT_KEYS = (
     "goodput/straggler_rank",
     "goodput/presync_step_s",
 )
-METRIC_KEYS = THROUGHPUT_KEYS + GOODPUT_KEYS + COST_KEYS  # everything GoodputMonitor logs and exports
+METRIC_KEYS = THROUGHPUT_KEYS + GOODPUT_KEYS + MEMBERSHIP_KEYS + COST_KEYS  # everything GoodputMonitor logs and exports
 STRAGGLER_WINDOW = 8  # logging intervals each rank's step time is the median of
 STRAGGLER_RATIO = 1.2  # a rank is a straggler from this ratio of its step time to the other ranks' median ...
 STRAGGLER_MADS = 3.0  # ... when its excess is also above this many (scaled) MADs of theirs: not their own noise

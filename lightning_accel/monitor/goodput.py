@@ -23,16 +23,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_accel._compat import wrap_validation_runs
 from lightning_accel.checkpoint import PreemptionCheckpoint
-from lightning_accel.monitor.accounting import METRIC_KEYS, THROUGHPUT_KEYS, GoodputAccounting, Mark
+from lightning_accel.monitor.accounting import METRIC_KEYS, GoodputAccounting, Mark
 from lightning_accel.monitor.batches import default_batch_size, default_tokens
 from lightning_accel.monitor.cost import Pricing, cost_figures
 from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
 from lightning_accel.monitor.forwarding import remove_wrapper
 from lightning_accel.monitor.ledger import BUCKETS, Ledger, LedgerProfiler
+from lightning_accel.monitor.membership import MembershipLog
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.monitor.plot import plot_ledger
-from lightning_accel.monitor.progress import read_highest_step, steps_left, write_highest_step
-from lightning_accel.monitor.summary import print_summary
+from lightning_accel.monitor.progress import last_progress_time, read_highest_step, steps_left, write_highest_step
+from lightning_accel.monitor.summary import goodput_rows, print_summary
 from lightning_accel.ranks import gather_from_ranks
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class GoodputMonitor(Callback):
         self.exporter, self._owns_exporter = resolve_exporter(prometheus)
         self.sync_cuda, self.summary, self.plot = sync_cuda, summary, plot
         self.accounting = GoodputAccounting(flops_per_batch)
+        self.membership = MembershipLog()  # changes of world size and what each cost, carried across attempts
         self.pricing = pricing if pricing is not None else Pricing.from_env()
         self.results: dict[str, float] = {}
         self.peak_source = "unknown"
@@ -116,6 +118,8 @@ class GoodputMonitor(Callback):
 
     def _reset(self) -> None:
         self.accounting.reset()
+        self.membership.load_state_dict(None)
+        self._world_size, self._saved_world, self._saved_at = 1, None, None  # now; and the checkpoint's, if any
         self._highest = 0
         self._last_progress = 0.0
         self._warm: Mark | None = None
@@ -172,10 +176,22 @@ class GoodputMonitor(Callback):
 
     # -- restarts -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return self.accounting.state_dict()
+        state = {"membership": self.membership.state_dict(), "world_size": self._world_size, "saved_at": time.time()}
+        return {**self.accounting.state_dict(), **state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.accounting.load_state_dict(state_dict)
+        self.membership.load_state_dict(state_dict.get("membership"))
+        self._saved_world, self._saved_at = state_dict.get("world_size"), state_dict.get("saved_at")
+
+    def _record_membership_change(self, trainer: Trainer, reached: int | None) -> None:
+        # every rank calls this (a broadcast): the group resumed a checkpoint written by another number of ranks
+        last = last_progress_time(self._run_dir) if trainer.is_global_zero and self._run_dir else None
+        last = trainer.strategy.broadcast(last, src=0)
+        before, now = self._saved_world, trainer.world_size
+        change = self.membership.begin(before, now, trainer.global_step, self._saved_at, last, time.time(), reached)
+        if trainer.is_global_zero:
+            log.warning("membership change: %s so far (the replay is counted as it happens)", change.describe())
 
     def _resolve_run_dir(self, trainer: Trainer) -> Path | None:
         if self.run_dir is not None:
@@ -197,6 +213,9 @@ class GoodputMonitor(Callback):
             reached = trainer.strategy.broadcast(reached, src=0)  # every rank reports the same lost work
         if self.accounting.begin_attempt(start, reached):
             log.info("Resumed at step %d; the previous attempt had reached step %d", start, reached)
+        self._world_size = trainer.world_size
+        if self._saved_world not in (None, trainer.world_size) and self._saved_at is not None:
+            self._record_membership_change(trainer, reached)
         self._highest = max(start, reached or 0)
         self._last_progress = time.perf_counter()
         if trainer.is_global_zero and self._run_dir is not None:
@@ -236,6 +255,7 @@ class GoodputMonitor(Callback):
         if step == previous:  # inside an accumulation window
             return
         self.accounting.reached(step)
+        self.membership.reached(step)
         if step > self._highest:
             self._highest = step
             now = time.perf_counter()
@@ -262,6 +282,7 @@ class GoodputMonitor(Callback):
             self._warn_straggler(trainer)
         self._last_log = mark
         metrics.update(self.accounting.goodput())
+        metrics.update(self.membership.metrics())
         metrics.update(self._costs(trainer, metrics))
         share = metrics.get("throughput/data_wait_share", 0.0)
         if not self._warned and share > self.data_wait_warn and mark.steps > self.warmup_steps:
@@ -326,10 +347,12 @@ class GoodputMonitor(Callback):
     def _finish(self, trainer: Trainer) -> None:
         self._close_counter()
         self.accounting.end_attempt()
+        self.membership.end_replay()
         if trainer.is_global_zero and self._run_dir is not None:
             write_highest_step(self._run_dir, self._highest)
         if self.ledger.running:
             self.results = self.accounting.compute(self._warm, trainer.world_size)
+            self.results.update(self.membership.metrics())
             self.results.update(self._costs(trainer, self.results))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -345,6 +368,8 @@ class GoodputMonitor(Callback):
             run = {"precision": str(trainer.precision), "device": str(trainer.strategy.root_device)}
             if self.accounting.straggler_rank is not None:
                 run["straggler_host"] = self._hosts[self.accounting.straggler_rank]
+            if self.membership.changes:  # each change with its parts, for people and benchmarks
+                run["membership"] = self.membership.state_dict()
             (self._run_dir / RESULTS_FILE).write_text(json.dumps({**self.results, **run}, indent=1))
         if self.summary:
             self._print_summary()
@@ -361,28 +386,5 @@ class GoodputMonitor(Callback):
         self.ledger.stop()
 
     def _print_summary(self) -> None:
-        rows: dict[str, object] = {}
-        for bucket in BUCKETS:
-            seconds, share = self.results[f"goodput/{bucket}_s"], self.results[f"goodput/{bucket}_share"]
-            rows[bucket] = f"{seconds:.2f} s  {share:6.1%}"
-        rows["goodput (compute share)"] = f"{self.results['goodput/compute_share']:.1%}"
-        for key in THROUGHPUT_KEYS:
-            if key in self.results:
-                rows[key.split("/", 1)[1]] = self.results[key]
-        if self.accounting.restarts:
-            rows["restarts"] = self.accounting.restarts
-            rows["lost steps / seconds"] = f"{self.accounting.lost_steps} / {self.accounting.lost_s:.1f} s"
-        if self.accounting.straggler_ratio is not None:
-            rows["straggler ratio (slowest rank)"] = (
-                f"{self.accounting.straggler_ratio:.2f} (rank {self.accounting.slowest_rank})"
-            )
-        if "cost/total_usd" in self.results:
-            currency = self.pricing.currency if self.pricing is not None else "USD"
-            rows[f"cost ({currency}, {self.pricing.market if self.pricing else ''})"] = (
-                f"{self.results['cost/total_usd']:.4f}, of which lost to restarts {self.results['cost/lost_usd']:.4f}"
-            )
-            for key in ("cost/usd_per_million_samples", "cost/usd_to_finish"):
-                if key in self.results:
-                    rows[key.split("/", 1)[1].replace("usd", currency).replace("_", " ")] = self.results[key]
-        rows["peak_flops_source"] = self.peak_source
-        print_summary("lightning-accel goodput", rows)
+        rows = goodput_rows(self.results, self.accounting, self.pricing, self.membership.changes)
+        print_summary("lightning-accel goodput", {**rows, "peak_flops_source": self.peak_source})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from lightning.pytorch import Trainer
@@ -31,13 +32,21 @@ def read_highest_step(run_dir: str | Path) -> int | None:
         return None
 
 
+def last_progress_time(run_dir: str | Path) -> float | None:
+    """When the step in ``run_dir`` was recorded (wall clock; ``None`` when unknown)."""
+    try:
+        return float(json.loads((Path(run_dir) / PROGRESS_FILE).read_text())["at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_highest_step(run_dir: str | Path, step: int) -> None:
-    """Record ``step`` atomically; a failure (read-only or full disk) is logged, never raised into training."""
+    """Record ``step`` and the time, atomically; a failure (read-only or full disk) is logged, never raised."""
     folder = Path(run_dir)
     tmp = folder / f".{PROGRESS_FILE}.tmp-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"highest_step": int(step)}))
+        tmp.write_text(json.dumps({"highest_step": int(step), "at": time.time()}))
         os.replace(tmp, folder / PROGRESS_FILE)
     except OSError as err:
         log.warning("Cannot record progress in %s (%s): a restart will not know the work it redoes", folder, err)

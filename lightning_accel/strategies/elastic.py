@@ -29,9 +29,14 @@ def under_torchrun() -> bool:
 
 
 def attempt_prefix() -> str:
-    """The store namespace of this restart attempt."""
+    """The store namespace of this restart attempt and rendezvous round.
+
+    A failure raises ``TORCHELASTIC_RESTART_COUNT``; a node joining an elastic job restarts the workers without
+    raising it, at a larger world size, and a node leaving is a failure: so the two together name the round.
+    """
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    return f"lightning_accel/{run_id}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    restart, world = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("WORLD_SIZE", "1")
+    return f"lightning_accel/{run_id}/attempt_{restart}_world_{world}"
 
 
 def init_elastic_process_group(backend: str, timeout: timedelta, device_id: object = None) -> bool:
@@ -58,3 +63,12 @@ def init_elastic_process_group(backend: str, timeout: timedelta, device_id: obje
     )
     log.info("process group %s (rank %d of %d) on torchrun's store under %s", backend, rank, world_size, prefix)
     return True
+
+
+def nodes_in_this_round() -> int | None:
+    """Under torchrun: the nodes of the current rendezvous round (``WORLD_SIZE // LOCAL_WORLD_SIZE``), which an
+    elastic job (``--nnodes 1:4``) changes from round to round; ``None`` outside torchrun."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not world or not local or int(world) % int(local):
+        return None
+    return int(world) // int(local)

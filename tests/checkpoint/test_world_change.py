@@ -282,3 +282,27 @@ def test_two_ranks_then_one_then_two_train_the_uninterrupted_runs_batches(tmp_pa
     assert (final["global_step"], final["lr"]) == (reference["global_step"], reference["lr"])
     for name, value in reference["params"].items():
         torch.testing.assert_close(torch.tensor(final["params"][name]), torch.tensor(value), rtol=1e-4, atol=1e-6)
+
+
+def test_each_kind_of_train_loader_follows_a_change_or_says_why_not():
+    """ResumableDataLoader follows; a stream warns (its shards are its own); DALI's readers and a sampler that saved
+    per-rank positions are refused with the fix; a DALI checkpoint of 1 shard read by shard 1 says the same."""
+    from torch.utils.data import IterableDataset
+
+    from lightning_accel.checkpoint.loader_state import refuse_loaders_that_cannot_follow
+    from lightning_accel.data import DALILoader
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    change = WorldChange(2, 1, 1, 2)
+    refuse_loaders_that_cannot_follow([ResumableDataLoader(data(), batch_size=8), None], change)
+    with pytest.warns(UserWarning, match=r"with a stream: each rank's stream position is its own"):
+        refuse_loaders_that_cannot_follow({"a": DataLoader(Stream())}, change)
+    dali = DALILoader.__new__(DALILoader)  # the type is what is checked; no pipeline needed
+    with pytest.raises(RuntimeError, match=r"\(DALILoader over NoneType\).*resume on 2 rank\(s\)"):
+        refuse_loaders_that_cannot_follow(dali, change)
+    dali.shard_id = 1
+    with pytest.raises(ValueError, match=r"reader states of 1 shards, this is shard 1.*Resume on 1 rank"):
+        dali.load_state_dict({"dali_checkpoints": ["one shard's state"]})

@@ -148,7 +148,8 @@ def test_launcher_usage_errors_and_torchrun_detection(monkeypatch, capsys):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
-    assert under_torchrun() and attempt_prefix() == "lightning_accel/job7/attempt_2"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert under_torchrun() and attempt_prefix() == "lightning_accel/job7/attempt_2_world_4"
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -238,3 +239,31 @@ def test_ray_options_are_split_from_the_fit_arguments():
     )
     assert (options.num_workers, options.max_failures, options.use_gpu) == (4, 2, False)
     assert rest == ["--config", "r.yaml", "--ckpt_path", "auto"]
+    elastic, _ = split_ray_args(["--ray.num_workers", "1:4"])
+    assert elastic.num_workers == (1, 4)  # Ray Train's elastic ScalingConfig(num_workers=(1, 4))
+    for bad in ("0", "3:2", "two", "1:"):
+        with pytest.raises(SystemExit):
+            split_ray_args(["--ray.num_workers", bad])
+
+
+def test_num_nodes_follows_the_rendezvous_round_of_an_elastic_job(monkeypatch, caplog):
+    """Lightning refuses num_nodes x devices != WORLD_SIZE; an elastic job's round decides the nodes, so a recipe's
+    num_nodes (1 by default) is replaced by WORLD_SIZE // LOCAL_WORLD_SIZE under torchrun, with a log line."""
+    from lightning_accel.recipe import AccelTrainer
+    from lightning_accel.strategies.elastic import nodes_in_this_round
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert nodes_in_this_round() is None
+    env = {"TORCHELASTIC_RUN_ID": "job", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "RANK": "1", "LOCAL_RANK": "0"}
+    for name, value in {**env, "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+    assert nodes_in_this_round() == 2
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    for function in (rank_zero_only, fabric_rank_zero_only):  # the Trainer sets this process's rank: put it back
+        monkeypatch.setattr(function, "rank", getattr(function, "rank", 0))
+    with caplog.at_level("INFO"):
+        trainer = AccelTrainer(accelerator="cpu", devices=1, num_nodes=1, strategy="ddp", logger=False)
+    assert trainer.num_nodes == 2 and trainer.world_size == 2 and trainer.global_rank == 1
+    assert "num_nodes=1 in the recipe; torchrun's rendezvous round has 2 node(s)" in caplog.text

@@ -183,7 +183,8 @@ def test_each_bucket_holds_the_time_spent_in_it(tmp_path):
     # The user's profiler still saw every action, and is theirs again after fit.
     assert trainer.profiler is profiler and "run_training_batch" in profiler.recorded_durations
     assert "run" not in trainer.fit_loop.epoch_loop.val_loop.__dict__
-    assert json.loads((tmp_path / PROGRESS_FILE).read_text()) == {"highest_step": 10}
+    progress = json.loads((tmp_path / PROGRESS_FILE).read_text())
+    assert progress["highest_step"] == 10 and time.time() - 60 < progress["at"] <= time.time()
     assert (tmp_path / "goodput.png").stat().st_size > 10_000
 
 
@@ -288,7 +289,7 @@ def run_script(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
 @pytest.mark.multiprocess
 def test_work_lost_to_a_hard_kill_is_counted_on_resume(tmp_path):
     run_script("--out", str(tmp_path), "--kill-at-step", "13", expect=-9)  # SIGKILL: no hook ran
-    assert json.loads((tmp_path / "ckpt" / PROGRESS_FILE).read_text()) == {"highest_step": 13}
+    assert json.loads((tmp_path / "ckpt" / PROGRESS_FILE).read_text())["highest_step"] == 13
     run_script("--out", str(tmp_path), "--resume")  # from step 10
     r = json.loads((tmp_path / "results_rank0.json").read_text())
     assert r["goodput/restarts"] == 1 and r["goodput/lost_steps"] == 3

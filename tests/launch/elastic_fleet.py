@@ -1,0 +1,79 @@
+"""What the elastic fleet test's recipe trains: a model and data defined here, and a callback that records every
+micro-batch each worker trains (one JSON line each, written as it happens: a worker killed with its node leaves
+what it did behind).
+
+Each record: the world size and the step the worker's fit started from (together they name its group), the global
+step the micro-batch goes into, and its sample ids. Rank 0 also writes the step reached to ``progress`` so the test
+knows when to take a node away or bring one back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
+from torch import nn
+from torch.utils.data import Dataset
+
+from lightning_accel import ResumableDataLoader
+
+SAMPLES, BATCH, SEED = 96, 4, 11
+
+
+class Indexed(Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(SAMPLES, 6, generator=g), torch.randn(SAMPLES, 1, generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+class FleetData(LightningDataModule):
+    def train_dataloader(self):
+        return ResumableDataLoader(Indexed(), batch_size=BATCH, shuffle=True, seed=SEED)
+
+
+class FleetNet(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Record(Callback):
+    """Appends each micro-batch to ``folder/<pid>.jsonl``; sleeps ``delay_s`` per batch so the test can act mid-run."""
+
+    def __init__(self, folder: str, delay_s: float = 0.0) -> None:
+        self.folder, self.delay_s = Path(folder), delay_s
+
+    def on_train_start(self, trainer, pl_module):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.group = {"world_size": trainer.world_size, "from_step": trainer.global_step}
+        self.file = open(self.folder / f"{os.getpid()}.jsonl", "a")  # open for the whole fit
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        ids = batch[2].tolist()
+        record = {**self.group, "rank": trainer.global_rank, "step": trainer.global_step, "ids": ids}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        time.sleep(self.delay_s)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.is_global_zero:
+            tmp = self.folder / "progress.tmp"
+            tmp.write_text(str(trainer.global_step))
+            os.replace(tmp, self.folder / "progress")

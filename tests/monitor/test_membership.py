@@ -1,0 +1,42 @@
+"""The work a change of membership costs: after the checkpoint, the restart, the replay, each measured."""
+
+from __future__ import annotations
+
+from lightning_accel.monitor import membership
+from lightning_accel.monitor.membership import Change, MembershipLog
+
+
+def test_each_change_is_split_into_its_three_parts_and_carried_across_attempts():
+    clock = [100.0]
+    log = MembershipLog(monotonic=lambda: clock[0])
+    assert log.metrics() == {}
+    # checkpoint at wall 1000, the old group last recorded progress at 1004, the new group trains again at 1010
+    change = log.begin(2, 1, step=6, checkpoint_at=1000.0, last_progress_at=1004.0, now=1010.0, redo_until=8)
+    assert (change.checkpoint_to_failure_s, change.restart_s, change.replay_s) == (4.0, 6.0, 0.0)
+    clock[0] = 102.5
+    log.reached(7)  # not yet where the old group had got
+    assert change.replay_s == 0.0
+    clock[0] = 103.0
+    log.reached(8)
+    assert change.replay_s == 3.0 and change.lost_s == 13.0
+    assert "2 -> 1 rank(s) at step 6: 13.0 s lost" in change.describe()
+    # a join with no progress file (the failure time unknown: all of it is restart) and nothing to replay
+    log.begin(1, 2, step=12, checkpoint_at=2000.0, last_progress_at=None, now=2005.0, redo_until=12)
+    assert log.metrics() == {
+        "goodput/membership_changes": 2.0,
+        "goodput/membership_lost_s": 18.0,
+        "goodput/last_change_lost_s": 5.0,
+    }
+    again = MembershipLog()
+    again.load_state_dict(log.state_dict())  # in the checkpoint: the next attempt reports the whole run
+    assert again.changes == log.changes and again.metrics() == log.metrics()
+    assert set(log.metrics()) == set(membership.MEMBERSHIP_KEYS)
+
+
+def test_an_attempt_that_ends_before_catching_up_counts_what_it_replayed():
+    clock = [0.0]
+    log = MembershipLog(monotonic=lambda: clock[0])
+    log.begin(4, 2, step=10, checkpoint_at=50.0, last_progress_at=49.0, now=60.0, redo_until=20)
+    clock[0] = 7.0
+    log.end_replay()
+    assert log.changes == [Change(4, 2, 10, 0.0, 10.0, 7.0)]  # progress before the checkpoint: nothing after it
