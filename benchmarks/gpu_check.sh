@@ -50,18 +50,20 @@ step() {  # step NAME SECONDS command...: each section is bounded and never stop
   pack
 }
 
-# 1. fp32 eager vs bf16-mixed vs compiled on the tiny-GPT recipe's model (steps/s, MFU)
-step precision_compile 105 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
+# 1. fp32 eager vs bf16-mixed vs compiled on the tiny-GPT recipe's model (steps/s, MFU); fp8 (torchao
+#    Float8Training, tensorwise, over bf16) eager and compiled where the GPU has fp8 (H100/H200: it does)
+step precision_compile 135 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
 step gpu_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/monitor/test_utilization.py \
   "tests/monitor/test_goodput.py::test_gpu_kernels_are_charged_to_compute" \
   "tests/strategies/test_strategies.py::test_zero2_preset_trains_on_gpu" "tests/data/test_dali.py::test_gpu_mixed_decode" \
-  "tests/checkpoint/test_cost.py::test_cuda_tensors_stage_into_pinned_buffers_without_blocking_the_host"
+  "tests/checkpoint/test_cost.py::test_cuda_tensors_stage_into_pinned_buffers_without_blocking_the_host" \
+  tests/test_float8.py
 # 3. single-GPU strategies: plain vs accel_zero2 vs accel_fsdp
-step strategies 70 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
+step strategies 55 $PY -m benchmarks.strategies_gpu --steps 40 --out "$RES"
 # 4. checkpoint cost end to end from GPU memory (pinned staging): ours sync/async vs Lightning's AsyncCheckpointIO
 #    and torch DCP async_save, 50M parameters with momentum (a 400 MB checkpoint), 30 steps, a save every 10
-step checkpoint 60 $PY -m benchmarks.checkpoint_async --gpu --params-m 50 --steps 30 --every 10 --rounds 1 --out "$RES"
+step checkpoint 45 $PY -m benchmarks.checkpoint_async --gpu --params-m 50 --steps 30 --every 10 --rounds 1 --out "$RES"
 # 5. DALI mixed decode vs CPU backend vs torch DataLoader (only where DALI is installed)
 if $PY -c "import nvidia.dali" 2>/dev/null; then
   step dataloading 40 $PY -m benchmarks.dataloading --gpu --images 512 --workers 8 --rounds 3 --out "$RES"

@@ -9,6 +9,8 @@ dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version
 # pydantic pins its core exactly: keep the pair in step with each other.
 # the doctor's GPU trace reader and what it imports that the image lacks (pandas, networkx are there)
 dl HolisticTraceAnalysis==0.5.0 plotly pydot
+# fp8 training (Float8Training): torchao's float8 linear layers (abi3 wheel, 3 MB)
+dl torchao==0.18.0
 dl hjson annotated-types typing-inspection pydantic==2.14.4 pydantic-core==2.50.5 jsonargparse==4.53.0 docstring-parser
 # deepspeed publishes only an sdist: build a pure-Python wheel of it here (its ops compile on first use).
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8 2>/dev/null \

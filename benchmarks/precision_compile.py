@@ -1,4 +1,5 @@
-"""Eager fp32 vs bf16-mixed vs torch.compile on the tiny GPT, measured side by side in one run.
+"""Eager fp32 vs bf16-mixed vs torch.compile on the tiny GPT, measured side by side in one run; on a GPU with fp8
+(compute capability 8.9+), also torchao fp8 (``Float8Training``, tensorwise) over bf16, eager and compiled.
 
 python -m benchmarks.precision_compile [--steps 60] [--gpu]
 """
@@ -13,19 +14,21 @@ from pathlib import Path
 from lightning.pytorch import seed_everything
 
 from benchmarks.harness import RESULTS, quiet_trainer, write
-from lightning_accel import GoodputMonitor, TorchCompile
+from lightning_accel import Float8Training, GoodputMonitor, TorchCompile
 from lightning_accel.data import SyntheticTokenDataModule
+from lightning_accel.float8 import fp8_hardware
 from lightning_accel.models import TinyGPT
 
-CONFIGS = {
-    "fp32 eager": ("32-true", False),
-    "bf16 eager": ("bf16-mixed", False),
-    "fp32 compiled": ("32-true", True),
-    "bf16 compiled": ("bf16-mixed", True),
+CONFIGS = {  # name: (precision, compiled, fp8)
+    "fp32 eager": ("32-true", False, False),
+    "bf16 eager": ("bf16-mixed", False, False),
+    "fp32 compiled": ("32-true", True, False),
+    "bf16 compiled": ("bf16-mixed", True, False),
 }
+FP8_CONFIGS = {"fp8 eager": ("bf16-mixed", False, True), "fp8 compiled": ("bf16-mixed", True, True)}
 
 
-def measure(precision: str, compiled: bool, steps: int, gpu: bool, size: dict) -> dict[str, float]:
+def measure(precision: str, compiled: bool, steps: int, gpu: bool, size: dict, fp8: bool = False) -> dict[str, float]:
     seed_everything(0)
     model = TinyGPT(
         vocab_size=size["vocab"], seq_len=size["seq"], d_model=size["d"], n_layers=size["layers"], n_heads=size["heads"]
@@ -34,7 +37,7 @@ def measure(precision: str, compiled: bool, steps: int, gpu: bool, size: dict) -
         num_samples=size["batch"] * (steps + 2), seq_len=size["seq"], vocab_size=size["vocab"], batch_size=size["batch"]
     )
     monitor = GoodputMonitor(warmup_steps=min(10, steps // 3), summary=False, plot=False, every_n_steps=10**9)
-    callbacks = [monitor] + ([TorchCompile()] if compiled else [])
+    callbacks = [monitor] + ([Float8Training()] if fp8 else []) + ([TorchCompile()] if compiled else [])
     trainer = quiet_trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=1,
@@ -59,8 +62,11 @@ def run(steps: int = 60, gpu: bool = False, after_each: Callable[[dict], None] |
         else dict(vocab=256, seq=64, d=128, layers=2, heads=4, batch=16)
     )
     result: dict = {"rows": {}, "ratios_vs_fp32_eager": {}, "steps": steps, "model": size}
-    for name, (precision, compiled) in CONFIGS.items():
-        result["rows"][name] = row = measure(precision, compiled, steps, gpu, size)
+    configs = {**CONFIGS, **(FP8_CONFIGS if gpu and fp8_hardware() is None else {})}
+    if gpu and fp8_hardware() is not None:
+        result["fp8_skipped"] = fp8_hardware()
+    for name, (precision, compiled, fp8) in configs.items():
+        result["rows"][name] = row = measure(precision, compiled, steps, gpu, size, fp8)
         result["ratios_vs_fp32_eager"][name] = row["steps_per_sec"] / result["rows"]["fp32 eager"]["steps_per_sec"]
         if after_each is not None:
             after_each(result)

@@ -19,6 +19,7 @@ from lightning_accel.data import (
     SyntheticClassificationDataModule,
     SyntheticTokenDataModule,
 )
+from lightning_accel.float8 import Float8Training
 from lightning_accel.monitor import (
     HANG_EXIT_CODE,
     GoodputMonitor,
@@ -46,6 +47,7 @@ __all__ = [
     "ActivationCheckpointing",
     "AtomicCheckpointIO",
     "Finding",
+    "Float8Training",
     "GoodputMonitor",
     "HangSentinel",
     "IdleMonitor",

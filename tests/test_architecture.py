@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("_compat",),  # every Lightning private name we use
     ("phases", "host", "figures", "ranks"),  # the phase table, host facts, headless figures, per-rank values
-    ("precision", "compile", "data", "strategies", "checkpoint", "models", "testing"),  # what training is made of
+    ("precision", "compile", "float8", "data", "strategies", "checkpoint", "models", "testing"),  # training is made of
     ("monitor",),  # observes training: may recognise a checkpoint writer, never changes training
     ("profile",),  # reads what monitor/ recorded
     ("recipe",),  # builds a run from a recipe: Trainer, LightningCLI
@@ -35,6 +35,7 @@ LAZY_IMPORTS = {
     "ray": "the [ray] extra (Ray Train), imported when a Ray run starts",
     "hta": "HolisticTraceAnalysis, the [profile] extra, read only for GPU traces",
     "transformer_engine": "optional, GPU only: probed to offer fp8 in tune",
+    "torchao": "float8 training: imported when Float8Training converts a model (its CUDA kernels load at import)",
     "prometheus_client": "the [prometheus] extra, imported when the exporter starts",
     "pynvml": "NVML: its import is tried only when a CUDA device is visible (a clear reason logged if it fails)",
     "lightning_accel.data.dali": "DALI: a heavy import (CUDA libraries), done on first use of a DALI name",

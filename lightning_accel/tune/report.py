@@ -131,6 +131,17 @@ def tuned_config(
         lines.append(f"compile: {best.compile}" + (f" ({best.compile_mode})" if best.compile_mode else ""))
     if best.compile != base.compile or best.compile_mode != base.compile_mode:
         trainer["callbacks"] = callbacks
+    for knob, class_path, arg in (
+        ("float8", "lightning_accel.Float8Training", "recipe"),
+        ("activation_checkpointing", "lightning_accel.ActivationCheckpointing", "policy"),
+    ):
+        value = getattr(best, knob)
+        if value and value != getattr(base, knob):
+            trainer["callbacks"] = [
+                *(trainer.get("callbacks") or []),
+                {"class_path": class_path, "init_args": {arg: value}},
+            ]
+            lines.append(f"callback {class_path.rsplit('.', 1)[1]}({arg}={value!r})")
     for knob in ("num_workers", "pin_memory", "persistent_workers", "batch_size"):
         value = getattr(best, knob)
         if value is not None and value != getattr(base, knob):

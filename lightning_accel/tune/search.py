@@ -20,12 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.float8 import fp8_hardware
 from lightning_accel.tune.config import TuneConfig
 from lightning_accel.tune.server import run_trial, temporary_workdir
 from lightning_accel.tune.space import (
     Candidate,
     DataKnobs,
+    activation_checkpointing_candidates,
     batch_candidates,
+    float8_candidates,
     loader_candidates,
     precision_compile_candidates,
 )
@@ -135,6 +138,7 @@ class Search:
         workdir: Path | None = None,
     ) -> None:
         self.spec, self.data, self.accelerator, self.has_blocks = spec, data, accelerator, has_blocks
+        self.memory_bound = False  # the batch stage stopped at the memory limit (activation checkpointing may help)
         self.budget_s, self.planned = budget_s, planned
         self.config = config or TuneConfig()
         self.on_trial = on_trial or (lambda trial: None)
@@ -242,6 +246,7 @@ class Search:
             if trial.result.error is not None:
                 self.on_trial(trial)
                 if name == "batch":
+                    self.memory_bound = self.memory_bound or bool(trial.result.oom)
                     break  # a larger batch will not fit either
                 continue
             rejected = self.numerics_rejection(trial)
@@ -260,6 +265,7 @@ class Search:
                     self.on_trial(trial)
                     break  # throughput has stopped growing with the batch (by more than the noise)
             if name == "batch" and self.near_memory_limit(trial):
+                self.memory_bound = True
                 trial.verdict += "; memory near the limit, no larger batch"
                 self.on_trial(trial)
                 break
@@ -369,12 +375,20 @@ class Search:
         best = self.stage("loader", loader, best, keep_trials=6)
         options = precision_compile_candidates(best.candidate, self.accelerator, self.has_blocks)
         best = self.stage("precision x compile", options, best, keep_trials=5)
+        missing = fp8_hardware() if self.accelerator == "gpu" else "not a GPU run"
+        if missing:
+            self.notes.append(f"fp8 not tried: {missing}")
+        best = self.stage("fp8", float8_candidates(best.candidate, self.accelerator), best, keep_trials=2)
         if self.data.has("batch_size"):
             base_batch = int(self.data.values["batch_size"])
             limit = self.config.max_batch or base_batch * 16
             accumulate = int(self.spec.get("recipe_accumulate") or 1)
-            larger = batch_candidates(best.candidate, base_batch, self.config.keep_global_batch, limit, accumulate)
+            keep = self.config.keep_global_batch
+            larger = batch_candidates(best.candidate, base_batch, keep, limit, accumulate)
             best = self.stage("batch", larger, best, keep_trials=2)
+            if self.memory_bound and self.has_blocks:  # memory, not speed, stopped the batch: trade recompute for it
+                more = activation_checkpointing_candidates(best.candidate, base_batch, keep, limit, accumulate)
+                best = self.stage("activation checkpointing", more, best, keep_trials=2)
         else:
             self.notes.append(
                 "the loader's owner (the DataModule, or the module with its own train_dataloader()) has no batch_size "

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_accel.float8 import fp8_hardware
 from lightning_accel.host import usable_cores
 
 CompileScope = Literal["off", "blocks", "module"]
@@ -30,6 +31,9 @@ class Candidate:
         num_workers / pin_memory / persistent_workers: the DataModule's loader settings.
         batch_size: The DataModule's per-device batch size.
         accumulate_grad_batches: Set when the global batch is kept while the batch size changes.
+        float8: torchao fp8 recipe (``"tensorwise"``, ``"rowwise"``) through ``Float8Training``; GPUs with fp8 only.
+        activation_checkpointing: ``ActivationCheckpointing`` policy (``"selective"``, ``"full"``): memory for a
+            larger batch.
     """
 
     precision: str | None = None
@@ -40,6 +44,8 @@ class Candidate:
     persistent_workers: bool | None = None
     batch_size: int | None = None
     accumulate_grad_batches: int | None = None
+    float8: str | None = None
+    activation_checkpointing: str | None = None
 
     def with_(self, **changes: Any) -> Candidate:
         return dataclasses.replace(self, **changes)
@@ -58,6 +64,10 @@ class Candidate:
             parts.append(f"batch {self.batch_size}")
         if self.accumulate_grad_batches is not None:
             parts.append(f"accumulate {self.accumulate_grad_batches}")
+        if self.float8:
+            parts.append(f"fp8 {self.float8}")
+        if self.activation_checkpointing:
+            parts.append(f"activation checkpointing {self.activation_checkpointing}")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -137,3 +147,22 @@ def batch_candidates(
             yield best.with_(batch_size=batch, accumulate_grad_batches=global_batch // batch)
         else:
             yield best.with_(batch_size=batch)
+
+
+def float8_candidates(best: Candidate, accelerator: str) -> Iterator[Candidate]:
+    """fp8 through torchao over bf16 (tensorwise, then rowwise), on GPUs that have fp8 only."""
+    if accelerator != "gpu" or fp8_hardware() is not None:
+        return
+    for recipe in ("tensorwise", "rowwise"):
+        yield best.with_(float8=recipe, precision="bf16-mixed")
+
+
+def activation_checkpointing_candidates(
+    best: Candidate, base_batch: int, keep_global_batch: bool, max_batch: int, base_accumulate: int = 1
+) -> Iterator[Candidate]:
+    """Each policy (selective first: it recomputes less) at the next larger batch, which did not fit without it."""
+    for policy in ("selective", "full"):
+        with_policy = best.with_(activation_checkpointing=policy)
+        larger = next(batch_candidates(with_policy, base_batch, keep_global_batch, max_batch, base_accumulate), None)
+        if larger is not None:
+            yield larger

@@ -25,9 +25,11 @@ from lightning.pytorch.callbacks import Checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_accel.compile import TorchCompile
+from lightning_accel.float8 import Float8Training
 from lightning_accel.monitor.batches import default_batch_size
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.recipe import AccelTrainer, build_cli
+from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
 from lightning_accel.strategies.blocks import find_block_classes
 
 log = logging.getLogger(__name__)
@@ -205,6 +207,10 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
             blocks = tuple(find_block_classes(model))
             modules = [name for name, m in model.named_modules() if name and isinstance(m, blocks)]
         trainer.callbacks.append(TorchCompile(modules=modules, mode=cand.get("compile_mode"), fallback=False))
+    if cand.get("float8"):
+        trainer.callbacks.append(Float8Training(recipe=cand["float8"]))
+    if cand.get("activation_checkpointing"):
+        trainer.callbacks.append(ActivationCheckpointing(policy=cand["activation_checkpointing"]))
     compiling = cand.get("compile", "off") != "off" or any(isinstance(c, TorchCompile) for c in trainer.callbacks)
     probe = TrialProbe(settings, count_flops=not compiling)
     trainer.callbacks.append(probe)

@@ -441,3 +441,71 @@ def test_starting_the_trial_server_is_not_the_first_trials_time(monkeypatch, tmp
     second = trial_module.run_trial(spec, timeout_s=120, workdir=tmp_path / "second")
     assert second.error is None and first.wall_s < 2 * second.wall_s, (first.wall_s, second.wall_s)
     trial_module._SERVER.close()
+
+
+def test_activation_checkpointing_is_tried_only_when_memory_stopped_the_batch(monkeypatch, tmp_path):
+    """Batch 32 runs out of memory, so the batch stage stops at 16; with activation checkpointing (selective first)
+    batch 32 fits and is faster: chosen, and the tuned recipe gets the callback. fp8 is not tried on a CPU run, and
+    the notes say why."""
+    tried = []
+
+    def fake_trial(spec, timeout_s, workdir):
+        cand = spec["candidate"]
+        batch, policy = cand["batch_size"] or 8, cand["activation_checkpointing"]
+        tried.append((batch, policy))
+        if (batch >= 32 and policy is None) or batch > 32:
+            return TrialResult(error="CUDA out of memory", oom=True, batch_size=batch)
+        speed = {"selective": 0.9, "full": 0.75, None: 1.0}[policy]
+        return TrialResult(samples_per_sec=speed * 100.0 * batch, losses=[1.0], batch_size=batch, wall_s=0.01)
+
+    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    search = Search({}, DataKnobs({"batch_size": 8}), "cpu", True, 60, lambda r: None, TuneConfig(max_batch=256))
+    res = search.run(Candidate(precision="32-true"), baseline_is_reference=True)
+    assert search.memory_bound and (32, None) in tried
+    assert [
+        (t.candidate.batch_size, t.candidate.activation_checkpointing)
+        for t in res.trials
+        if t.stage == "activation checkpointing"
+    ] == [(32, "selective"), (32, "full")]
+    assert (res.best.candidate.batch_size, res.best.candidate.activation_checkpointing) == (32, "selective")
+    assert "fp8 not tried: not a GPU run" in res.notes
+    config, lines = tuned_config({"trainer": {}, "data": {"init_args": {}}}, res, block_names=[])
+    assert "callback ActivationCheckpointing(policy='selective')" in lines
+    assert {"class_path": "lightning_accel.ActivationCheckpointing", "init_args": {"policy": "selective"}} in config[
+        "trainer"
+    ]["callbacks"]
+    # without the memory limit, no such stage
+    tried.clear()
+    monkeypatch.setattr(
+        "lightning_accel.tune.search.run_trial",
+        lambda spec, timeout_s, workdir: TrialResult(
+            samples_per_sec=100.0, losses=[1.0], batch_size=spec["candidate"]["batch_size"] or 8, wall_s=0.01
+        ),
+    )
+    free = Search({}, DataKnobs({"batch_size": 8}), "cpu", True, 60, lambda r: None, TuneConfig(max_batch=64))
+    assert not any(t.stage == "activation checkpointing" for t in free.run(Candidate(), True).trials)
+
+
+def test_fp8_is_tried_over_bf16_on_an_fp8_gpu_and_kept_only_inside_the_numerics_guard(monkeypatch, tmp_path):
+    """On a GPU with fp8 (stubbed here): tensorwise is faster but its loss drifts past the guard, rowwise is faster
+    and close: rowwise is chosen, over bf16-mixed, and the tuned recipe gets Float8Training(recipe='rowwise')."""
+    monkeypatch.setattr("lightning_accel.tune.space.fp8_hardware", lambda: None)
+    monkeypatch.setattr("lightning_accel.tune.search.fp8_hardware", lambda: None)
+    monkeypatch.setattr("lightning_accel.tune.space.precisions_for", lambda accelerator: ["32-true", "bf16-mixed"])
+
+    def fake_trial(spec, timeout_s, workdir):
+        cand = spec["candidate"]
+        speed = {None: 100.0, "tensorwise": 180.0, "rowwise": 150.0}[cand["float8"]]
+        loss = 3.0 if cand["float8"] == "tensorwise" else 1.0
+        return TrialResult(samples_per_sec=speed, losses=[loss, loss], batch_size=8, wall_s=0.01)
+
+    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    search = Search({}, DataKnobs({}), "gpu", False, 60, lambda r: None, TuneConfig(loss_tolerance=0.05))
+    res = search.run(Candidate(precision="32-true"), baseline_is_reference=True)
+    fp8 = {t.candidate.float8: t.verdict for t in res.trials if t.stage == "fp8"}
+    assert set(fp8) == {"tensorwise", "rowwise"} and "faster" not in fp8["tensorwise"], fp8
+    assert (res.best.candidate.float8, res.best.candidate.precision) == ("rowwise", "bf16-mixed")
+    config, _ = tuned_config({"trainer": {}, "data": {"init_args": {}}}, res, block_names=[])
+    assert {"class_path": "lightning_accel.Float8Training", "init_args": {"recipe": "rowwise"}} in config["trainer"][
+        "callbacks"
+    ]
