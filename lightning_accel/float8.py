@@ -29,6 +29,8 @@ Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
 FP8_CAPABILITY = (8, 9)
 ALIGNMENT = 16  # torch._scaled_mm needs both matrix dimensions divisible by 16
+# The output head: the last linear layer with one of these names (lm_head, out ...), else the last one registered.
+HEAD_NAMES = ("lm_head", "head", "output", "out", "classifier", "logits", "fc_out")
 HARDWARE = "an NVIDIA GPU of compute capability 8.9 or newer (Ada: L4, L40S; Hopper: H100, H200; Blackwell)"
 
 
@@ -46,13 +48,14 @@ def fp8_hardware() -> str | None:
 def fp8_reasons(module: nn.Module, skip: Sequence[str] = (), skip_output_head: bool = True) -> dict[str, str | None]:
     """Every ``nn.Linear`` in ``module`` by name: ``None`` when it goes to fp8, else why it stays."""
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    head = linears[-1][0] if linears and skip_output_head else None
+    named_heads = [name for name, _ in linears if name.rsplit(".", 1)[-1] in HEAD_NAMES]
+    head = (named_heads or [name for name, _ in linears] or [None])[-1] if skip_output_head else None
     reasons: dict[str, str | None] = {}
     for name, layer in linears:
         if name in skip:
             reasons[name] = "named in skip"
         elif name == head:
-            reasons[name] = "the output head (the last linear layer): its logits lose the most precision"
+            reasons[name] = "the output head: its logits lose the most precision in fp8"
         elif layer.in_features % ALIGNMENT or layer.out_features % ALIGNMENT:
             reasons[name] = (
                 f"{layer.in_features} -> {layer.out_features} features: fp8 matmuls need multiples of {ALIGNMENT}"
@@ -69,7 +72,8 @@ class Float8Training(Callback):
         recipe: torchao's scaling recipe: ``"tensorwise"`` (fastest; the only one whose weights FSDP2 all-gathers in
             fp8), ``"rowwise"`` (one scale per row: more accurate, a little slower), ``"rowwise_with_gw_hp"``.
         skip: Names of linear layers (as in ``named_modules()``) to keep in their precision.
-        skip_output_head: Keep the last linear layer (the output head) out of fp8.
+        skip_output_head: Keep the output head out of fp8: the last linear layer named like one (``lm_head``,
+            ``head``, ``output``, ``out``, ``classifier``, ``logits``, ``fc_out``), else the last one registered.
         on_unsupported: Without fp8 hardware: ``"error"`` refuses when the callback is made (at ``Trainer(...)``),
             ``"fallback"`` logs that it trains without fp8 and changes nothing.
         emulate: torchao's emulation (fp8 casts and scales, matmuls in higher precision): runs anywhere, is slow;

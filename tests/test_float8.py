@@ -136,3 +136,49 @@ def test_fp8_composes_with_torch_compile(tmp_path):
     model = fit(tmp_path, [fp8, compiled], max_steps=2)
     assert fp8.converted == ["body.0", "mix"] and not compiled.failed and sum(compiled.compile_time_s.values()) > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class Blocks(LightningModule):
+    """Repeated blocks (what ActivationCheckpointing wraps) of fp8-shaped linear layers, with Dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(30, 64), nn.Linear(64, 10)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 64))
+            for _ in range(2)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x = self.inp(batch[0])
+        for block in self.blocks:
+            x = x + block(x)
+        return nn.functional.cross_entropy(self.out(x), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_fp8_composes_with_activation_checkpointing_and_compile(tmp_path):
+    """fp8 layers inside checkpointed blocks: the recompute gives the same weights as without checkpointing (Dropout
+    masks replayed), and the whole stack also compiles."""
+    from lightning_accel import ActivationCheckpointing, TorchCompile
+
+    def train(callbacks) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Blocks()
+        trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=3, callbacks=callbacks))
+        trainer.fit(model, ResumableDataLoader(data(), batch_size=16, seed=1))
+        return model.state_dict()
+
+    fp8_only = Float8Training(emulate=True)
+    plain = train([fp8_only])
+    fp8, ac = Float8Training(emulate=True), ActivationCheckpointing(policy="selective")
+    checkpointed = train([fp8, ac])
+    assert fp8.converted == fp8_only.converted == [f"blocks.{i}.{j}" for i in (0, 1) for j in (1, 4)]
+    assert ac.wrapped and set(checkpointed) == set(plain)
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, rtol=0, atol=1e-6, msg=name)
+    compiled = TorchCompile(backend="aot_eager", fallback=False)
+    train([Float8Training(emulate=True), ActivationCheckpointing(policy="full"), compiled])
+    assert not compiled.failed

@@ -57,10 +57,10 @@ def test_a_sealed_folder_is_verified_file_by_file_and_found_for_resume(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fsdp2_dcp_folders_resume_bitwise_on_two_ranks_and_resharded_on_one(tmp_path):
+def test_fsdp2_dcp_folders_resume_bitwise_on_two_ranks_and_resharded_from_two_to_one_to_two(tmp_path):
     """accel_fsdp saving torch DCP folders: 10 steps, a fresh launch resumes at step 10 (mid-epoch) to 20,
-    and the weights equal a 20-step run's; a launch on one rank resumes the same folder (resharded) to within
-    rtol 1e-4 of it."""
+    and the weights equal a 20-step run's. The same folder resumed on one rank to step 15 (resharded), then on two
+    again to step 20, ends within rtol 1e-4 of that run."""
 
     def launch(out: Path, *extra: str, devices: int = 2) -> Path:
         out.mkdir()
@@ -79,19 +79,15 @@ def test_fsdp2_dcp_folders_resume_bitwise_on_two_ranks_and_resharded_on_one(tmp_
     assert manifest["global_step"] == 10 and manifest["kind"] == "folder"
     assert {".metadata", "meta.pt"} <= set(manifest["files"])  # DCP's index, Lightning's loop/callback state
     assert find_resume_checkpoint(ckpts) == str(ckpts / "step=00000010.ckpt")
-    # the node holding rank 1 is gone: one rank reads both ranks' shards back (DCP reshards) and accumulates 2
-    shutil.copytree(ckpts, tmp_path / "ckpt_one")
-    one = launch(
-        tmp_path / "one",
-        "--max-steps",
-        "20",
-        "--sharded-checkpoints",
-        str(tmp_path / "ckpt_one"),
-        "--resume",
-        devices=1,
-    )
+    # the node holding rank 1 is gone: one rank reads both ranks' shards back (DCP reshards) and accumulates 2 to
+    # step 15; then a node joins and two ranks reshard the one-rank folder back and go on to step 20
+    elastic = tmp_path / "ckpt_elastic"
+    shutil.copytree(ckpts, elastic)
+    launch(tmp_path / "one", "--max-steps", "15", "--sharded-checkpoints", str(elastic), "--resume", devices=1)
+    assert find_resume_checkpoint(elastic) == str(elastic / "step=00000015.ckpt")
+    two = launch(tmp_path / "two", "--max-steps", "20", "--sharded-checkpoints", str(elastic), "--resume")
     expected = torch.load(full / "weights_rank0.pt")
-    for name, got in torch.load(one / "weights_rank0.pt").items():
+    for name, got in torch.load(two / "weights_rank0.pt").items():
         if name.endswith("qkv.bias"):  # the key bias cancels in softmax: AdamW turns its zero gradient's rounding
             got, expected[name] = got.view(3, -1)[0::2], expected[name].view(3, -1)[0::2]  # noise into lr-sized steps
         torch.testing.assert_close(got, expected[name], rtol=1e-4, atol=1e-6, msg=name)
