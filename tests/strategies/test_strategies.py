@@ -202,6 +202,7 @@ def test_ddp_and_fsdp2_train_for_real_on_gloo(tmp_path):
         "fsdp": ("accel_fsdp_fp32",),
         "fsdp_ac": ("accel_fsdp_fp32", "--activation-checkpointing"),
         "fsdp_bf16": ("accel_fsdp",),
+        "fsdp_fp8": ("accel_fsdp_fp32", "--fp8"),  # torchao's emulation on CPU; the all-gather path is the GPU's
     }
     for key, (strategy, *extra) in runs.items():
         out = run_two_ranks(tmp_path, strategy, *extra)
@@ -223,6 +224,13 @@ def test_ddp_and_fsdp2_train_for_real_on_gloo(tmp_path):
         torch.testing.assert_close(results["fsdp_ac"][k], results["fsdp"][k], rtol=1e-5, atol=1e-6)
     # ... and bf16 compute really is a different (lower) precision
     assert not all(torch.equal(results["fsdp_bf16"][k], v) for k, v in results["fsdp"].items())
+    # fp8 under FSDP2: every block's linear layers converted, their shards torchao's fp8-casting weights (FSDP2
+    # all-gathers them in fp8), state-dict keys unchanged, and the numerics really are fp8's
+    fp8 = json.loads((tmp_path / "accel_fsdp_fp32--fp8" / "fp8_rank0.json").read_text())
+    assert fp8["converted"] == [f"blocks.{b}.{layer}" for b in (0, 1) for layer in ("qkv", "proj", "mlp.0", "mlp.2")]
+    assert "WeightWithDynamicFloat8CastTensor" in fp8["shards"]
+    assert set(results["fsdp_fp8"]) == set(results["fsdp"])
+    assert not all(torch.equal(results["fsdp_fp8"][k], v) for k, v in results["fsdp"].items())
 
 
 @pytest.mark.slow

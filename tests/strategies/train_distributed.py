@@ -16,7 +16,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_accel  # noqa: F401  (registers the presets)
-from lightning_accel import PreemptionCheckpoint, TorchCompile, find_resume_checkpoint
+from lightning_accel import Float8Training, PreemptionCheckpoint, TorchCompile, find_resume_checkpoint
 from lightning_accel.data import SyntheticTokenDataModule
 from lightning_accel.models import TinyGPT
 from lightning_accel.strategies import AccelFSDPStrategy
@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="Float8Training in torchao's emulation (fp8 all-gather on FSDP2)")
     p.add_argument("--activation-checkpointing", action="store_true", help="fp32 FSDP2 with activation checkpointing")
     p.add_argument("--sharded-checkpoints", help="fp32 FSDP2 saving torch DCP folders here (PreemptionCheckpoint)")
     p.add_argument("--resume", action="store_true", help="resume from the newest valid folder there")
@@ -58,6 +59,9 @@ def main() -> None:
     dm = SyntheticTokenDataModule(num_samples=256, val_samples=16, seq_len=16, vocab_size=32, batch_size=8)
     record = RecordLoss()
     callbacks = [record, ModelCheckpoint(dirpath=out / "ckpt", save_last=False, every_n_train_steps=args.max_steps)]
+    record_fp8 = Float8Training(emulate=True) if args.fp8 else None
+    if record_fp8 is not None:
+        callbacks.append(record_fp8)
     if args.compile:
         callbacks.append(TorchCompile(backend="aot_eager"))
     strategy = AccelFSDPStrategy(activation_checkpointing=True) if args.activation_checkpointing else args.strategy
@@ -80,6 +84,13 @@ def main() -> None:
     torch.save(full_state(trainer, model), out / f"weights_rank{rank}.pt")
     (out / f"losses_rank{rank}.json").write_text(json.dumps(record.losses))
     (out / f"strategy_rank{rank}.txt").write_text(type(trainer.strategy).__name__)
+    if (
+        record_fp8 is not None
+    ):  # which tensors FSDP2 all-gathers: torchao's fp8-casting weights where the all-gather is in fp8
+        local = {type(getattr(p, "_local_tensor", p)).__name__ for p in model.parameters()}
+        (out / f"fp8_rank{rank}.json").write_text(
+            json.dumps({"converted": record_fp8.converted, "shards": sorted(local)})
+        )
     if torch.distributed.is_initialized():
         # Both ranks have written their files before either exits: the test reads rank 1's files as
         # soon as rank 0 (the launching process) ends.
