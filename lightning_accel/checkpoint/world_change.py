@@ -131,7 +131,8 @@ def apply_world_change(change: WorldChange, trainer: Trainer, checkpoint: dict[s
     rank_zero_warn(
         f"PreemptionCheckpoint: resumed on {change.world_size} rank(s) from {change.saved_world_size}. Exact: the "
         "samples and batches of the rest of the epoch, optimizer steps, LR schedule, epoch. Not the uninterrupted "
-        "run's: random draws in training_step (dropout) come from re-derived per-rank generators (the same on every "
-        "resume of this checkpoint at this size), the interrupted epoch's logged values start over, and weights "
-        "differ from a run that never changed size by float rounding (docs/checkpointing.md, 'Another world size')."
+        "run's: random draws in training_step (dropout), since a rank now draws for batches another rank drew for "
+        "and ranks that joined take generators derived from rank 0's (the same on every resume of this checkpoint "
+        "at this size); the interrupted epoch's logged values, which start over; BatchNorm running statistics under "
+        "DDP (rank 0's); and the weights, to float rounding (docs/checkpointing.md, 'Another world size')."
     )

@@ -74,7 +74,8 @@ class HangSentinel(Callback):
         self.poll_s = poll_s if poll_s is not None else min(1.0, floor_s / 4)
         self.exit_on_hang = exit_on_hang
         self.dirpath = Path(dirpath) if dirpath is not None else None
-        self.report: HangReport | None = None  # set once a hang is found
+        self.report: HangReport | None = None  # set once a hang is found and its stacks are dumped
+        self._hang_found = False  # from the moment the watchdog acts on one
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._fits = 0
@@ -133,7 +134,7 @@ class HangSentinel(Callback):
         self._board = self._make_board(trainer)
         self._dir = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
         self._stop.clear()
-        self.report = None
+        self.report, self._hang_found = None, False
         self._register_child_dumps()
         self._thread = threading.Thread(target=self._watch, name="lightning_accel-hang-sentinel", daemon=True)
         self._thread.start()
@@ -230,7 +231,7 @@ class HangSentinel(Callback):
         """After a hang is found, the exit code is the sentinel's: when the other ranks' exit breaks this one's
         collective (gloo: "Connection closed by peer"), the main thread waits for the watchdog to end the process
         with :data:`HANG_EXIT_CODE` instead of raising a secondary error with another code."""
-        if self.report is not None and self.exit_on_hang and self._thread is not None:
+        if self._hang_found and self.exit_on_hang and self._thread is not None:
             self._thread.join()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -275,7 +276,7 @@ class HangSentinel(Callback):
                 return
 
     def _act(self, report: HangReport) -> None:
-        self.report = report
+        self._hang_found = True
         folder = self._dir / "hang"
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"rank{self._rank}.stacks.txt", "w") as out:
@@ -291,6 +292,7 @@ class HangSentinel(Callback):
             (folder / f"rank{self._rank}.nccl_flight_recorder.pkl").write_bytes(recorder)
         if self._rank == min(b["rank"] for b in report.beats):
             (folder / "report.json").write_text(report.to_json())
+        self.report = report  # once the stacks are on disk: what waits on it sees them taken at the hang
         log.error(
             "HangSentinel (rank %d): hang found: %s. Every rank's Python stacks are in %s%s",
             self._rank,

@@ -87,7 +87,7 @@ def main() -> None:
     if (
         record_fp8 is not None
     ):  # which tensors FSDP2 all-gathers: torchao's fp8-casting weights where the all-gather is in fp8
-        local = {type(getattr(p, "_local_tensor", p)).__name__ for p in model.parameters()}
+        local = {type(p.to_local() if hasattr(p, "to_local") else p).__name__ for p in model.parameters()}
         (out / f"fp8_rank{rank}.json").write_text(
             json.dumps({"converted": record_fp8.converted, "shards": sorted(local)})
         )
