@@ -240,11 +240,9 @@ def rescale_train_batches(checkpoint: dict[str, Any], saved_world_size: int, wor
     ``current`` must be a whole number of batches per rank at the new size (the caller checks); ``total`` keeps the
     earlier epochs' batches at the rate they had. Returns the new ``current`` batch count.
     """
-    progress: Any = checkpoint
-    for key in FIT_LOOP_BATCH_PROGRESS:
-        if not isinstance(progress, dict) or key not in progress:
-            return 0  # no fit loop saved (a weights-only checkpoint): nothing to re-count
-        progress = progress[key]
+    progress = _fit_loop_batch_progress(checkpoint)
+    if progress is None:
+        return 0  # no fit loop saved (a weights-only checkpoint): nothing to re-count
     current, total = progress["current"], progress["total"]
     # Only the batch count changes: a checkpoint written in on_train_batch_end has completed = ready - 1, and the
     # restart logic reads that offset to know where the save happened.
@@ -259,9 +257,14 @@ def rescale_train_batches(checkpoint: dict[str, Any], saved_world_size: int, wor
 
 def train_batches_in_checkpoint(checkpoint: dict[str, Any]) -> int:
     """This epoch's batches per rank that ``checkpoint`` records as ready (0 when it has no fit loop)."""
+    progress = _fit_loop_batch_progress(checkpoint)
+    return 0 if progress is None else int(progress["current"]["ready"])
+
+
+def _fit_loop_batch_progress(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     progress: Any = checkpoint
     for key in FIT_LOOP_BATCH_PROGRESS:
         if not isinstance(progress, dict) or key not in progress:
-            return 0
+            return None
         progress = progress[key]
-    return int(progress["current"]["ready"])
+    return progress
