@@ -98,13 +98,19 @@ def refuse_loaders_that_cannot_follow(loaders: Any, change: Any) -> None:
                 "skips samples. Use a map-style dataset in lightning_accel.ResumableDataLoader for an exact resume."
             )
             continue
+        # A loader that knows why it cannot follow says so (DALILoader over a file reader); else the general fix.
+        fix = getattr(loader, "world_change_fix", None) or (
+            "Use lightning_accel.ResumableDataLoader (same arguments as DataLoader; its position is a point in one "
+            "global order), or"
+        )
+        sampler = getattr(loader, "sampler", None)
+        named = type(loader).__name__ + (f" over {type(sampler).__name__}" if sampler is not None else "")
         raise RuntimeError(
             f"PreemptionCheckpoint: resuming on another number of ranks ({change}), but the train loader "
-            f"({type(loader).__name__} over {type(getattr(loader, 'sampler', None)).__name__}) saved each rank's "
+            f"({named}) saved each rank's "
             "position in its own share of the data, which does not map onto another split: the rest of the epoch "
-            "would repeat or skip samples. Use lightning_accel.ResumableDataLoader (same arguments as DataLoader; its "
-            "position is a point in one global order), or resume on "
-            f"{change.saved_world_size} rank(s) (docs/checkpointing.md, 'Another world size')."
+            f"would repeat or skip samples. {fix} resume on {change.saved_world_size} rank(s) "
+            "(docs/checkpointing.md, 'Another world size')."
         )
 
 

@@ -22,8 +22,8 @@ from lightning_accel.data.dali_loader import (
     IMAGENET_STD,
     LAST_BATCH_POLICIES,
     READER_NAME,
-    ArrayShardSource,
     DALILoader,
+    DealtArraySource,
     batches_per_epoch,
     explain_dali_error,
     scan_image_folder,
@@ -44,8 +44,11 @@ class DALIImageDataModule(LightningDataModule):
     batches arrive on the training device; otherwise DALI's CPU backend runs the same graph
     (``device_id=None``).
 
-    Every rank sees the same number of batches, every epoch: shards are padded to ``ceil(N / ranks)``
-    samples by repeating samples, as Lightning's ``DistributedSampler`` does.
+    Every rank sees the same number of batches, every epoch: a folder's shards are padded to ``ceil(N / ranks)``
+    samples by repeating samples, as Lightning's ``DistributedSampler`` does. Arrays are dealt as
+    ``ResumableDataLoader`` deals: one global order per epoch, a batch at a time round robin (the epoch's first
+    batches dealt again where they do not divide), so a ``PreemptionCheckpoint`` run over arrays resumes on another
+    number of ranks; a folder's DALI file reader can resume only on the number that saved.
 
     Args:
         train_dir / val_dir: Image folders (class subfolders); or give ``train_arrays`` / ``val_arrays``.
@@ -188,8 +191,14 @@ class DALIImageDataModule(LightningDataModule):
         if train and hp.stick_to_shard:
             order: dict[str, Any] = {"stick_to_shard": True, "random_shuffle": True, "seed": hp.seed}
         else:
-            # One global permutation per epoch with the same seed on every rank, so shards never overlap.
-            order = {"shuffle_after_epoch": train, "shuffle_after_epoch_seed": hp.seed} if train else {}
+            # One global permutation per epoch with the same seed on every rank, so shards never overlap. Validation
+            # keeps each rank on its shard (DALI's reader moves to the next one each epoch otherwise), so every
+            # validation reads the same files in the same order and can be restarted at its first batch.
+            order = (
+                {"shuffle_after_epoch": True, "shuffle_after_epoch_seed": hp.seed}
+                if train
+                else {"stick_to_shard": True}
+            )
         return fn.readers.file(
             files=file_list[0],
             labels=file_list[1],
@@ -258,10 +267,10 @@ class DALIImageDataModule(LightningDataModule):
         arrays = self.train_arrays if train else self.val_arrays
         source_name = str(folder or "arrays")  # named in error messages
         policy = hp.last_batch if train else "partial"
-        source: ArrayShardSource | None = None
+        source: DealtArraySource | None = None
         if folder is None:
             assert arrays is not None
-            source = ArrayShardSource(
+            source = DealtArraySource(
                 *arrays, hp.batch_size, shard_id, num_shards, shuffle=train, seed=hp.seed, last_batch=policy
             )
 
@@ -298,7 +307,7 @@ class DALIImageDataModule(LightningDataModule):
                 batch_size=hp.batch_size,
                 num_threads=self._num_threads(),
                 device_id=self._device_id(),
-                seed=hp.seed + 1000 * shard_id + (0 if train else 1),  # augmentation differs per rank
+                seed=self._pipeline_seed(shard_id, train, source),
                 prefetch_queue_depth=hp.prefetch_queue_depth,
                 enable_checkpointing=train,
                 checkpoint=checkpoint,
@@ -318,8 +327,24 @@ class DALIImageDataModule(LightningDataModule):
                 raise explain_dali_error(err, source_name) from err
 
         return DALILoader(
-            build, as_dict=hp.as_dict, source=source_name, shard_id=shard_id, length=length, last_size=last_size
+            build,
+            as_dict=hp.as_dict,
+            source=source_name,
+            shard_id=shard_id,
+            length=length,
+            last_size=last_size,
+            num_shards=num_shards,
+            dealt=source,
+            same_order_every_epoch=not train,
         )
+
+    def _pipeline_seed(self, shard_id: int, train: bool, source: DealtArraySource | None) -> int:
+        """Augmentation differs per rank; a pipeline started mid-run on another number of ranks (``source``'s start)
+        draws from a seed of its own, the same on every resume of that checkpoint."""
+        seed = self.hparams.seed + 1000 * shard_id + (0 if train else 1)
+        if source is not None and (source.first_epoch, source.first_slot) != (0, 0):
+            seed = int(np.random.SeedSequence([seed, source.first_epoch, source.first_slot]).generate_state(1)[0])
+        return seed
 
     def train_dataloader(self) -> DALILoader:
         return self._loader(train=True)

@@ -15,6 +15,7 @@ import numpy as np
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from PIL import Image
 
+from lightning_accel.data.resumable import cut_slots, deal_slots, epoch_order
 from lightning_accel.ranks import gather_from_ranks
 
 log = logging.getLogger(__name__)
@@ -66,11 +67,14 @@ def find_unreadable_images(root: str | Path, limit: int = 5) -> list[str]:
     return bad
 
 
-class ArrayShardSource:
-    """``external_source`` callback over in-memory arrays: this shard's slice of a per-epoch permutation.
+class DealtArraySource:
+    """``external_source`` callback over in-memory arrays, dealt to the ranks as ``ResumableDataLoader`` deals: one
+    global order per epoch (the seed and the epoch only), cut into slots of ``batch_size``, slot ``r + kW`` to rank
+    ``r`` of ``W``, every rank as many (the epoch's first slots dealt again where they do not divide).
 
-    Stateless: batch ``info.iteration`` of epoch ``info.epoch_idx`` is a pure function of the two, which
-    is what lets DALI's pipeline checkpoints restore an external source exactly.
+    Batch ``info.iteration`` of the pipeline's epoch ``info.epoch_idx`` is a pure function of the two and of where
+    the pipeline started (:meth:`start_at`): that lets DALI's pipeline checkpoints restore the source exactly, and a
+    resume on another number of ranks start a new pipeline at the saved point of the global order.
     """
 
     def __init__(
@@ -87,35 +91,41 @@ class ArrayShardSource:
         self.images, self.labels = images, labels.astype(np.int64)
         self.batch_size, self.shard_id, self.num_shards = batch_size, shard_id, num_shards
         self.shuffle, self.seed, self.last_batch = shuffle, seed, last_batch
+        self.first_epoch, self.first_slot = 0, 0  # where the pipeline's epoch 0 starts in the global order
+        self._cached: tuple[int, list[list[int]]] | None = None  # one epoch's batches, not one permutation per call
 
-    def _bounds(self) -> tuple[int, int]:
-        # Same contiguous split as DALI's readers: shard i gets [n*i/k, n*(i+1)/k).
-        n = len(self.images)
-        return n * self.shard_id // self.num_shards, n * (self.shard_id + 1) // self.num_shards
+    def start_at(self, epoch: int, slot: int) -> None:
+        """Make the pipeline's first epoch be ``epoch``, from global slot ``slot`` on (the slots before it trained)."""
+        self.first_epoch, self.first_slot, self._cached = epoch, slot, None
 
-    def shard_size(self) -> int:
-        # Every rank gets ceil(n/k) samples (the short shards repeat their last one), as Lightning's
-        # DistributedSampler does: unequal batch counts would leave one DDP rank waiting for good.
-        return math.ceil(len(self.images) / self.num_shards)
+    def global_slots(self, epoch: int) -> list[list[int]]:
+        """Epoch ``epoch``'s order in slots; with ``fill`` a short last slot repeats its last sample (DALI's FILL)."""
+        order = epoch_order(len(self.images), self.seed, epoch, self.shuffle)
+        slots = cut_slots(order, self.batch_size, drop_last=self.last_batch == "drop")
+        if self.last_batch == "fill" and slots and len(slots[-1]) < self.batch_size:
+            slots[-1] = slots[-1] + slots[-1][-1:] * (self.batch_size - len(slots[-1]))
+        return slots
 
-    def shard_indices(self, epoch: int) -> np.ndarray:
-        n = len(self.images)
-        order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
-        start, end = self._bounds()
-        own = order[start:end]
-        return np.concatenate([own, np.repeat(own[-1:], self.shard_size() - len(own))])
+    def batches(self, pipeline_epoch: int) -> list[list[int]]:
+        """This rank's batches (sample indices) in the pipeline's epoch ``pipeline_epoch``."""
+        if self._cached is None or self._cached[0] != pipeline_epoch:
+            start = self.first_slot if pipeline_epoch == 0 else 0
+            slots = self.global_slots(self.first_epoch + pipeline_epoch)
+            mine = deal_slots(slots, start, self.num_shards, self.shard_id, drop_last=self.last_batch == "drop")
+            self._cached = (pipeline_epoch, mine)
+        return self._cached[1]
 
     def num_batches(self) -> int:
-        return batches_per_epoch(self.shard_size(), self.batch_size, self.last_batch)
+        """Batches one rank sees in a whole epoch: the same on every rank, and the same every epoch."""
+        n, batch = len(self.images), self.batch_size
+        slots = n // batch if self.last_batch == "drop" else math.ceil(n / batch)
+        return slots // self.num_shards if self.last_batch == "drop" else math.ceil(slots / self.num_shards)
 
     def __call__(self, info: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        if info.iteration >= self.num_batches():
+        batches = self.batches(info.epoch_idx)
+        if info.iteration >= len(batches):
             raise StopIteration  # DALI starts the next epoch (info.epoch_idx + 1) at the next call
-        idx = self.shard_indices(info.epoch_idx)[
-            info.iteration * self.batch_size : (info.iteration + 1) * self.batch_size
-        ]
-        if len(idx) < self.batch_size and self.last_batch == "fill":  # pad with the last sample, like DALI's FILL
-            idx = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])
+        idx = batches[info.iteration]
         return [self.images[i] for i in idx], [self.labels[i : i + 1] for i in idx]
 
 
@@ -130,6 +140,9 @@ class DALILoader:
     Its state is DALI's own pipeline checkpoint (reader positions, random generators), which Lightning
     stores in its checkpoints and hands back on resume: the iterator is rebuilt from it, so a mid-epoch
     resume continues with exactly the batches and augmentations the uninterrupted run would have seen.
+    Over arrays (a :class:`DealtArraySource`) the state also holds the point reached in the epoch's global order,
+    so a resume on another number of ranks goes on from there (:attr:`follows_world_size`); DALI's file reader
+    saves a position inside its own shard, which no other split can continue.
     """
 
     def __init__(
@@ -140,8 +153,12 @@ class DALILoader:
         shard_id: int = 0,
         length: int | None = None,
         last_size: int | None = None,
+        num_shards: int = 1,
+        dealt: DealtArraySource | None = None,
+        same_order_every_epoch: bool = False,
     ) -> None:
         self._build, self.as_dict, self.source, self.shard_id = build, as_dict, source, shard_id
+        self.num_shards, self.dealt, self.same_order_every_epoch = num_shards, dealt, same_order_every_epoch
         self.iterator = build(None)
         self.length = len(self.iterator) if length is None else length
         # The epoch's last batch is cut to this many samples: DALI fills it (FILL) and we cut it to the
@@ -149,37 +166,114 @@ class DALILoader:
         self.last_size = last_size
         self._handed = 0  # batches handed out this epoch: says which batch is the last after a resume
         self._resumed = False
+        self.epoch, self._next_epoch = 0, 0  # the epoch being handed out, counted by __iter__
+
+    @property
+    def follows_world_size(self) -> bool:
+        """Whether PreemptionCheckpoint may resume this loader on another number of ranks (arrays: yes)."""
+        return getattr(self, "dealt", None) is not None
+
+    # Read by PreemptionCheckpoint when it refuses a resume on another number of ranks.
+    world_change_fix = (
+        "DALI's file reader saves a position inside its own shard. Give DALIImageDataModule train_arrays= (its "
+        "source deals one global order, as ResumableDataLoader does, and follows a change), or"
+    )
+
+    def _global_position(self) -> dict[str, int]:
+        """The next batch's place in the global order: its epoch and the slots of it trained (all ranks together)."""
+        if self._handed >= self.length:
+            return {"epoch": self.epoch + 1, "slot": 0}
+        return {"epoch": self.epoch, "slot": self._handed * self.num_shards}
 
     def state_dict(self) -> dict[str, Any]:
-        """DALI's checkpoint of every rank's pipeline (indexed by shard) at the last batch handed out.
+        """DALI's checkpoint of every rank's pipeline (indexed by shard) at the last batch handed out, and where the
+        run stands in the global order (over arrays).
 
         Lightning writes the checkpoint from rank 0 only, so each rank's pipeline state (its own reader
         position and augmentation generators) is gathered here; it calls this on every rank.
         """
         by_shard = dict(gather_from_ranks((self.shard_id, self.iterator.checkpoints()[0])))
-        return {"dali_checkpoints": [by_shard[i] for i in sorted(by_shard)], "batches_in_epoch": self._handed}
+        state: dict[str, Any] = {
+            "dali_checkpoints": [by_shard[i] for i in sorted(by_shard)],
+            "batches_in_epoch": self._handed,
+            "world_size": self.num_shards,
+            "epoch": self.epoch,
+        }
+        if self.dealt is not None:
+            first = {"epoch": self.dealt.first_epoch, "slot": self.dealt.first_slot}
+            state.update(batch_size=self.dealt.batch_size, position=self._global_position(), pipeline_start=first)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Rebuild the pipeline from this shard's checkpoint made by :meth:`state_dict`."""
+        """Rebuild the pipeline from this shard's checkpoint made by :meth:`state_dict`; over arrays saved on another
+        number of ranks, start a new pipeline at the saved point of the global order."""
         checkpoints = state.get("dali_checkpoints")
         if not checkpoints:
             raise ValueError(f"DALILoader state has no DALI checkpoint: got keys {sorted(state)}")
-        if self.shard_id >= len(checkpoints):
+        saved_world = int(state.get("world_size", len(checkpoints)))
+        if saved_world != self.num_shards and self.follows_world_size and "position" in state:
+            self._go_on_from(state, saved_world)
+            return
+        if saved_world != self.num_shards or self.shard_id >= len(checkpoints):
             raise ValueError(
-                f"the checkpoint holds DALI reader states of {len(checkpoints)} shards, this is shard {self.shard_id}: "
-                "DALI's readers save a position within their own shard, which does not map onto another split. "
-                f"Resume on {len(checkpoints)} rank(s), or train from lightning_accel.ResumableDataLoader to resume "
-                "on any number (docs/checkpointing.md, 'Another world size')"
+                f"the checkpoint holds DALI reader states of {len(checkpoints)} shards, this is shard {self.shard_id} "
+                f"of {self.num_shards}: DALI's readers save a position within their own shard, which does not map "
+                f"onto another split. Resume on {saved_world} rank(s), give DALIImageDataModule train_arrays= "
+                "(dealt from one global order), or train from lightning_accel.ResumableDataLoader to resume on any "
+                "number (docs/checkpointing.md, 'Another world size')"
             )
+        if self.dealt is not None and "pipeline_start" in state:
+            self.dealt.start_at(int(state["pipeline_start"]["epoch"]), int(state["pipeline_start"]["slot"]))
         self.iterator = self._build(checkpoints[self.shard_id])
         self._handed, self._resumed = int(state.get("batches_in_epoch", 0)), True
+        self.epoch = int(state.get("epoch", 0))
+
+    def _go_on_from(self, state: dict[str, Any], saved_world: int) -> None:
+        assert self.dealt is not None
+        epoch, slot = int(state["position"]["epoch"]), int(state["position"]["slot"])
+        if int(state.get("batch_size", self.dealt.batch_size)) != self.dealt.batch_size or slot % self.num_shards:
+            raise ValueError(
+                f"DALILoader: the checkpoint stopped {slot} batches of {state.get('batch_size')} into epoch {epoch} "
+                f"on {saved_world} rank(s), which is not a whole number of batches of {self.dealt.batch_size} on each "
+                f"of {self.num_shards}. Resume with the batch size that saved on a number of ranks that divides the "
+                "saved global batch (PreemptionCheckpoint checks this when the checkpoint loads)."
+            )
+        self.dealt.start_at(epoch, slot)
+        self.iterator = self._build(None)  # DALI's per-shard states do not split; the global position does
+        self._handed, self._resumed, self.epoch = slot // self.num_shards, True, epoch
+        log.info(
+            "DALI: shard %d of %d goes on from slot %d of epoch %d (saved on %d rank(s))",
+            self.shard_id,
+            self.num_shards,
+            slot,
+            epoch,
+            saved_world,
+        )
 
     def __len__(self) -> int:
         return self.length
 
+    def _start_afresh_after_an_unfinished_epoch(self) -> None:
+        """The last pass stopped early (Lightning's sanity check takes 2 batches; ``limit_*_batches``): DALI would
+        go on with the rest of that epoch, so the next pass would start mid-epoch, its batches rotated and a folder's
+        cut last batch in the wrong place. A pipeline whose order can be placed (arrays) or never changes (no
+        shuffle) is built again at the next epoch's start; a shuffling file reader is run to its epoch's end."""
+        if self.dealt is not None or self.same_order_every_epoch:
+            if self.dealt is not None:
+                self.dealt.start_at(self._next_epoch, 0)
+            self.iterator = self._build(None)
+            return
+        log.info("DALI: reading the rest of an epoch left unfinished (%d of %d batches)", self._handed, self.length)
+        for _ in self.iterator:
+            pass
+
     def __iter__(self) -> Iterator[Any]:
-        if not self._resumed:
-            self._handed = 0
+        if self._resumed:
+            self._next_epoch = self.epoch + 1
+        else:
+            if 0 < self._handed < self.length:
+                self._start_afresh_after_an_unfinished_epoch()
+            self._handed, self.epoch, self._next_epoch = 0, self._next_epoch, self._next_epoch + 1
         self._resumed = False
         try:
             for out in self.iterator:  # auto_reset: the next __iter__ starts the next epoch
@@ -190,7 +284,7 @@ class DALILoader:
                 yield {"images": images, "labels": labels} if self.as_dict else (images, labels)
         except RuntimeError as err:
             raise explain_dali_error(err, self.source) from err
-        self._handed = 0
+        self._handed, self.epoch = 0, self._next_epoch  # a state saved now points at the next epoch's start
 
 
 def explain_dali_error(err: RuntimeError, source: str) -> RuntimeError:

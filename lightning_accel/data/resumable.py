@@ -85,32 +85,43 @@ class ResumableSampler(DistributedSampler):
 
     def global_slots(self) -> list[list[int]]:
         """This epoch's order cut into slots of ``batch_size`` (the last one short unless ``drop_last``)."""
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation
-            order = torch.randperm(n, generator=generator).tolist()
-        else:
-            order = list(range(n))
-        slots = [
-            order[i : i + self.batch_size] for i in range(0, self._slot_count() * self.batch_size, self.batch_size)
-        ]
-        return [slot for slot in slots if slot]
+        order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)  # type: ignore[arg-type]
+        return cut_slots(order, self.batch_size, self.drop_last)
 
     def start_next_epoch_at(self, slot: int) -> None:
         """Make the next ``__iter__`` deal the global order from ``slot`` on (slots before it were trained)."""
         self._start_slot = slot
 
     def __iter__(self) -> Iterator[int]:
-        replicas = self.world_size
-        slots = self.global_slots()
         start, self._start_slot = self._start_slot, 0
-        rest = slots[start:]
-        uneven = len(rest) % replicas
-        if uneven and self.drop_last:
-            rest = rest[: len(rest) - uneven]
-        elif uneven and slots:
-            rest += [slots[i % len(slots)] for i in range(replicas - uneven)]
-        return iter([index for slot in rest[self.rank :: replicas] for index in slot])
+        mine = deal_slots(self.global_slots(), start, self.world_size, self.rank, self.drop_last)
+        return iter([index for slot in mine for index in slot])
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """Epoch ``epoch``'s global order: ``DistributedSampler``'s permutation (seed and epoch only), or ``0..n-1``."""
+    if not shuffle:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def cut_slots(order: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
+    """``order`` cut into slots of ``batch_size``: the last one short, or dropped with ``drop_last``."""
+    count = len(order) // batch_size if drop_last else math.ceil(len(order) / batch_size)
+    return [order[i * batch_size : (i + 1) * batch_size] for i in range(count)]
+
+
+def deal_slots(slots: list[list[int]], start: int, replicas: int, rank: int, drop_last: bool) -> list[list[int]]:
+    """Rank ``rank``'s slots of ``slots[start:]`` dealt round robin to ``replicas`` ranks, every rank as many: the
+    uneven rest dropped with ``drop_last``, else the epoch's first slots dealt again (as ``DistributedSampler`` pads).
+    """
+    rest = slots[start:]
+    uneven = len(rest) % replicas
+    if uneven and drop_last:
+        rest = rest[: len(rest) - uneven]
+    elif uneven and slots:
+        rest += [slots[i % len(slots)] for i in range(replicas - uneven)]
+    return rest[rank::replicas]
 
 
 class ResumableDataLoader(DataLoader):

@@ -254,12 +254,14 @@ def trained_per_step(folder: Path, phases: list[str]) -> tuple[dict[int, list[li
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_ranks_then_one_then_two_train_the_uninterrupted_runs_batches(tmp_path):
+@pytest.mark.parametrize("data", ["resumable", "dali"])
+def test_two_ranks_then_one_then_two_train_the_uninterrupted_runs_batches(tmp_path, data):
     """Stopped on 2 gloo ranks inside an accumulation window, resumed on 1 (and stopped again in the next epoch),
     then on 2 to the end: every optimizer step trains the same micro-batches as the uninterrupted 2-rank run
-    (compared as lists), steps, LR and epoch match, and the weights are within rtol 1e-4."""
+    (compared as lists), steps, LR and epoch match, and the weights are within rtol 1e-4. For ResumableDataLoader
+    and for DALIImageDataModule over arrays (its source deals the same way)."""
     script = ROOT / "tests/checkpoint/world_change_run.py"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_CHANGE_DATA": data}
 
     def launch(ranks: int, folder: Path, phase: str, *stop_at: str) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(script)]
@@ -284,25 +286,81 @@ def test_two_ranks_then_one_then_two_train_the_uninterrupted_runs_batches(tmp_pa
         torch.testing.assert_close(torch.tensor(final["params"][name]), torch.tensor(value), rtol=1e-4, atol=1e-6)
 
 
-def test_each_kind_of_train_loader_follows_a_change_or_says_why_not():
-    """ResumableDataLoader follows; a stream warns (its shards are its own); DALI's readers and a sampler that saved
-    per-rank positions are refused with the fix; a DALI checkpoint of 1 shard read by shard 1 says the same."""
+def test_each_kind_of_train_loader_follows_a_change_or_says_why_not(tmp_path):
+    """ResumableDataLoader and DALI over arrays follow; a stream warns (its shards are its own); DALI's file reader
+    and a sampler that saved per-rank positions are refused with the fix; a DALI file reader's checkpoint of 2 shards
+    read on 1 says the same."""
+    from PIL import Image
     from torch.utils.data import IterableDataset
 
     from lightning_accel.checkpoint.loader_state import refuse_loaders_that_cannot_follow
-    from lightning_accel.data import DALILoader
 
     class Stream(IterableDataset):
         def __iter__(self):
             yield from range(4)
 
     change = WorldChange(2, 1, 1, 2)
-    refuse_loaders_that_cannot_follow([ResumableDataLoader(data(), batch_size=8), None], change)
+    refuse_loaders_that_cannot_follow([ResumableDataLoader(data(), batch_size=8), None, dali_arrays(0, 1)], change)
     with pytest.warns(UserWarning, match=r"with a stream: each rank's stream position is its own"):
         refuse_loaders_that_cannot_follow({"a": DataLoader(Stream())}, change)
-    dali = DALILoader.__new__(DALILoader)  # the type is what is checked; no pipeline needed
-    with pytest.raises(RuntimeError, match=r"\(DALILoader over NoneType\).*resume on 2 rank\(s\)"):
-        refuse_loaders_that_cannot_follow(dali, change)
-    dali.shard_id = 1
-    with pytest.raises(ValueError, match=r"reader states of 1 shards, this is shard 1.*Resume on 1 rank"):
-        dali.load_state_dict({"dali_checkpoints": ["one shard's state"]})
+    for k in range(8):
+        (tmp_path / "c").mkdir(exist_ok=True)
+        Image.new("RGB", (6, 6), (k * 20, 0, 0)).save(tmp_path / "c" / f"{k}.png")
+    folder = [dali_arrays(r, 2, train_dir=str(tmp_path)) for r in (0, 1)]
+    with pytest.raises(RuntimeError, match=r"DALI's file reader saves a position inside its own shard.*train_arrays="):
+        refuse_loaders_that_cannot_follow(folder[0], change)
+    next(iter(folder[0]))
+    state = folder[0].state_dict()
+    with pytest.raises(ValueError, match=r"reader states of 1 shards, this is shard 0 of 1.*Resume on 2 rank"):
+        dali_arrays(0, 1, train_dir=str(tmp_path)).load_state_dict(state)
+
+
+def dali_arrays(shard: int, shards: int, train_dir: str | None = None, n: int = 40):
+    """A DALI loader over ``n`` arrays whose labels are their sample ids, shard ``shard`` of ``shards``."""
+    from lightning_accel.data import DALIImageDataModule
+
+    images = torch.randint(0, 256, (n, 6, 6, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    source = {"train_dir": train_dir} if train_dir else {"train_arrays": (images.numpy(), torch.arange(n).numpy())}
+    dm = DALIImageDataModule(
+        **source, batch_size=4, image_size=4, device="cpu", num_threads=1, seed=5, shard_id=shard, num_shards=shards
+    )
+    dm.setup("fit")
+    return dm.train_dataloader()
+
+
+def test_dali_over_arrays_goes_on_from_the_global_order_at_another_number_of_ranks():
+    """Two shards take 2 batches each (slots 0-3 of 10); one shard resumed from their state trains slots 4-9 and then
+    epoch 1 as an uninterrupted one-shard loader does; stopped 2 batches into epoch 1 and resumed on 2 shards, they
+    deal the rest of it in the same order. Two resumes of one state give bitwise the same images (augmentation too);
+    a position that does not split over 3 shards is refused."""
+    ids = lambda batches: [i for _, labels in batches for i in labels.tolist()]  # noqa: E731
+    whole = dali_arrays(0, 1)
+    epochs = [ids(whole), ids(whole)]
+    assert sorted(epochs[0]) == list(range(40)) and epochs[0] != epochs[1]
+    two = [dali_arrays(r, 2) for r in (0, 1)]
+    iterators = [iter(loader) for loader in two]
+    seen = [[next(it) for _ in range(2)] for it in iterators]
+    assert ids([seen[0][0], seen[1][0], seen[0][1], seen[1][1]]) == epochs[0][:16]  # slots dealt round robin
+    state = two[0].state_dict()
+    assert state["position"] == {"epoch": 0, "slot": 4} and state["world_size"] == 2
+    resumed = [dali_arrays(0, 1) for _ in range(2)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    rest = [list(loader) for loader in resumed]
+    assert len(resumed[0]) == 10 and ids(rest[0]) == epochs[0][16:]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(*rest, strict=True))  # reproducible, augmentation included
+    one = resumed[0]
+    it = iter(one)
+    first_two = [next(it) for _ in range(2)]
+    assert ids(first_two) == epochs[1][:8]
+    state = one.state_dict()
+    assert state["position"] == {"epoch": 1, "slot": 2} and state["world_size"] == 1
+    back = [dali_arrays(r, 2) for r in (0, 1)]
+    for loader in back:
+        loader.load_state_dict(state)
+    dealt = [list(loader) for loader in back]
+    assert [len(d) for d in dealt] == [4, 4]  # 5 of the epoch's batches per rank, 1 done
+    assert ids([b for pair in zip(*dealt, strict=True) for b in pair]) == epochs[1][8:]
+    three = dali_arrays(0, 3)
+    with pytest.raises(ValueError, match=r"stopped 2 batches of 4 into epoch 1 on 1 rank\(s\).*each of 3"):
+        three.load_state_dict(state)

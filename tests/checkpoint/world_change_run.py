@@ -3,10 +3,12 @@
 torchrun --nproc-per-node W tests/checkpoint/world_change_run.py OUT_DIR PHASE [STOP_AT_STEP]
 
 A model this test defines (BatchNorm between two linears, a per-step LR schedule), accumulate_grad_batches=2 at 2
-ranks, validation every epoch, ResumableDataLoader with shuffle. Every rank appends what it trained to
-OUT_DIR/PHASE-rankR.json: for each micro-batch the global step it belongs to and its sample ids; rank 0 adds the final
-step, LR and parameters. With STOP_AT_STEP, rank 0 gets a SIGTERM at the batch after that step (inside an
-accumulation window); PreemptionCheckpoint saves at the next optimizer step and the attempt exits 75.
+ranks, validation every epoch, ResumableDataLoader with shuffle; with WORLD_CHANGE_DATA=dali, DALIImageDataModule over
+arrays instead (DALI's CPU backend; the crop keeps the whole image and nothing flips, so the weights can be compared).
+Every rank appends what it trained to OUT_DIR/PHASE-rankR.json: for each micro-batch the global step it belongs to
+and its sample ids; rank 0 adds the final step, LR and parameters. With STOP_AT_STEP, rank 0 gets a SIGTERM at the
+batch after that step (inside an accumulation window); PreemptionCheckpoint saves at the next optimizer step and the
+attempt exits 75.
 """
 
 from __future__ import annotations
@@ -71,10 +73,50 @@ class Net(LightningModule):
         return DataLoader(Indexed(16, 1), batch_size=8)
 
 
+class Images(Net):
+    """The same training on DALI's images: the label of each image is its sample id, the target a table of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0] = nn.Linear(3 * 2 * 2, 16)  # images of 2 x 2 after the crop
+        self.register_buffer("targets", torch.randn(SAMPLES, 1, generator=torch.Generator().manual_seed(4)))
+
+    def training_step(self, batch, batch_idx):
+        images, ids = batch
+        return super().training_step((images.flatten(1), self.targets[ids], ids), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        images, ids = batch
+        return super().validation_step((images.flatten(1), self.targets[ids], ids), batch_idx)
+
+
+def dali_data():
+    from lightning_accel.data import DALIImageDataModule
+
+    images = torch.randint(0, 256, (SAMPLES, 2, 3, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    arrays = (images.numpy(), torch.arange(SAMPLES).numpy())
+    return DALIImageDataModule(
+        train_arrays=arrays,
+        val_arrays=(arrays[0][:16], arrays[1][:16]),
+        batch_size=BATCH,
+        image_size=2,
+        scale=(1.0, 1.0),
+        ratio=(1.5, 1.5),  # the arrays' own aspect (3 wide, 2 high): the crop keeps the whole image
+        center_crop_ratio=1.0,
+        flip_prob=0.0,
+        mean=(127.0,) * 3,
+        std=(64.0,) * 3,
+        device="cpu",
+        num_threads=1,
+        seed=3,
+    )
+
+
 def main(out: Path, phase: str, stop_at: int | None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dali = os.environ.get("WORLD_CHANGE_DATA") == "dali"
     torch.manual_seed(0)
-    model = Net()
+    model = Images() if dali else Net()
     callbacks = [PreemptionCheckpoint(out / "ck", keep_last=None), *([SigtermAt(stop_at)] if stop_at else [])]
     trainer = Trainer(
         **quiet_trainer_kwargs(
@@ -92,7 +134,7 @@ def main(out: Path, phase: str, stop_at: int | None) -> None:
         callbacks.pop()  # the signal reaches rank 0 only; the others learn of it through the vote
     ckpt = find_resume_checkpoint(out / "ck")
     try:
-        trainer.fit(model, ckpt_path=str(ckpt) if ckpt else None)
+        trainer.fit(model, datamodule=dali_data() if dali else None, ckpt_path=str(ckpt) if ckpt else None)
     except Preempted:
         pass
     record = {"world_size": world_size, "trained": model.trained, "accumulate": trainer.accumulate_grad_batches}

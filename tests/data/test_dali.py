@@ -229,10 +229,12 @@ def write_id_images(root: Path, count: int) -> Path:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddp_ranks_see_equal_batches_and_fixed_lengths_every_epoch(tmp_path):
-    """25 images on 2 gloo ranks (shards of 12 and 13), batches of 4, three epochs, for folders and arrays and
-    each last-batch policy: both ranks train the same number of batches, none empty (BatchNorm in the model),
-    ``len()`` is the same before and after every epoch and matches what each rank trains, and every sample is
-    trained each epoch (the short shard repeats a sample, as DistributedSampler does)."""
+    """25 images on 2 gloo ranks, batches of 4, three epochs, for folders and arrays and each last-batch policy:
+    both ranks train the same number of batches, none empty (BatchNorm in the model), ``len()`` is the same before
+    and after every epoch and matches what each rank trains, and every sample is trained each epoch. A folder's
+    shards are 12 and 13 (the short one repeats a sample, as DistributedSampler does, and the last batch is cut to
+    1 on both ranks); arrays are dealt a batch at a time from one global order, so the short 7th batch goes to
+    rank 0 and rank 1 takes the epoch's first batch again."""
     root = write_id_images(tmp_path / "images", 25)
     out = tmp_path / "out"
     out.mkdir()
@@ -241,15 +243,22 @@ def test_ddp_ranks_see_equal_batches_and_fixed_lengths_every_epoch(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    expected = {"partial": [4, 4, 4, 1], "drop": [4, 4, 4], "fill": [4, 4, 4, 4]}
+    folder = {"partial": [4, 4, 4, 1], "drop": [4, 4, 4], "fill": [4, 4, 4, 4]}
+    expected = {
+        **{("folder", policy, rank): sizes for policy, sizes in folder.items() for rank in (0, 1)},
+        ("arrays", "partial", 0): [4, 4, 4, 1],
+        ("arrays", "partial", 1): [4, 4, 4, 4],
+        **{("arrays", policy, rank): folder[policy] for policy in ("drop", "fill") for rank in (0, 1)},
+    }
     for case, epochs_rank0 in ranks[0].items():
-        policy = case.split("-")[1]
+        source, policy = case.split("-")
         for epoch, (e0, e1) in enumerate(zip(epochs_rank0, ranks[1][case], strict=True)):
-            for e in (e0, e1):
+            for rank, e in enumerate((e0, e1)):
                 sizes = [len(b) for b in e["train"]]
-                assert sizes == expected[policy], (case, epoch, sizes)
+                assert sizes == expected[source, policy, rank], (case, epoch, rank, sizes)
                 assert e["len_start"] == e["len_end"] == e["num_training_batches"] == len(sizes), (case, epoch, e)
-                assert [len(b) for b in e["val"]] == [4, 4, 4, 1], (case, epoch)  # validation is always partial
+                val = expected[source, "partial", rank]  # validation is always partial
+                assert [len(b) for b in e["val"]] == val, (case, epoch)
             trained = [i for b in e0["train"] + e1["train"] for i in b]
             if policy != "drop":
                 assert set(trained) == set(range(25)), (case, epoch)
@@ -280,6 +289,29 @@ def test_resume_mid_epoch_cuts_the_right_last_batch(tmp_path, stick_to_shard):
     rest = [x for x, _ in resumed]
     assert len(rest) == 2 and all(torch.equal(a, b) for a, b in zip(rest, reference[0][1:], strict=True))
     assert all(torch.equal(a, b) for a, b in zip([x for x, _ in resumed], reference[1], strict=True))
+
+
+def test_a_pass_stopped_early_leaves_the_next_one_whole(image_dir):
+    """Lightning's sanity check takes 2 validation batches and stops; ``limit_train_batches`` stops an epoch early.
+    The next pass starts at an epoch's first batch, not where DALI stopped: validation (folder, with its cut last
+    batch of 2 on shard 1; arrays) gives the whole set in order, and a shuffling training epoch (folder: its reader is
+    run to the end; arrays: dealt afresh) is the next epoch of an uninterrupted loader."""
+    images = np.stack([np.full((12, 10, 3), color(k), dtype=np.uint8) for k in range(N)])
+    arrays = {"train_arrays": (images, np.arange(N)), "val_arrays": (images[:10], np.arange(10))}
+    folder = {"val_dir": str(image_dir), "batch_size": 5, "shard_id": 1, "num_shards": 2}
+    for kw in (folder, arrays):
+        whole = make(image_dir, **kw)
+        val = whole.val_dataloader()
+        expected = [ids(x) for x, _ in val]
+        it = iter(val)
+        assert [ids(next(it)[0]) for _ in range(2)] == expected[:2]  # the sanity check
+        assert [ids(x) for x, _ in val] == expected and [ids(x) for x, _ in val] == expected, kw
+        reference = make(image_dir, **kw).train_dataloader()
+        epochs = [epoch_ids(reference) for _ in range(3)]
+        train = whole.train_dataloader()
+        next(iter(train))  # an epoch cut short after one batch
+        assert epoch_ids(train) == epochs[1] and epoch_ids(train) == epochs[2], kw
+    assert [len(b) for b in expected] == [4, 4, 2]  # arrays: 10 in batches of 4
 
 
 def test_stick_to_shard_keeps_each_rank_on_its_files(image_dir):
