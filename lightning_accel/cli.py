@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from lightning_accel.launch import exit_launcher, fit_on_ray, split_ray_args, torchrun
+from lightning_accel.launch import exit_launcher, fit_on_ray, newest_checkpoint, split_ray_args, torchrun
 from lightning_accel.monitor import GoodputMonitor
 from lightning_accel.profile import TorchProfiler, diagnose, load_run, report
 from lightning_accel.recipe import build_cli
@@ -113,6 +113,7 @@ def fit_with_ray(options: argparse.Namespace, args: list[str]) -> int:
         log.error("the Ray Train run failed after %d allowed restart(s): %s", options.max_failures, result.error)
         return 1
     log.info("Ray Train run finished: %s", {k: v for k, v in (result.metrics or {}).items() if "/" in k or k == "step"})
+    log.info("newest checkpoint: %s", newest_checkpoint(result))
     return 0
 
 

@@ -97,6 +97,15 @@ def _worker(config: dict[str, Any]) -> None:
     build_cli(config["args"], cli_class=RayCLI)
 
 
+def newest_checkpoint(result: Any) -> dict[str, Any] | None:
+    """What ``RayReport``'s last Ray checkpoint points at in a Ray ``Result``: ``{"path", "global_step"}`` of our newest
+    ``PreemptionCheckpoint`` file; ``None`` when the run reported none."""
+    if result.checkpoint is None:
+        return None
+    with result.checkpoint.as_directory() as folder:
+        return json.loads((Path(folder) / "latest.json").read_text())
+
+
 def worker_count(value: str) -> int | tuple[int, int]:
     """``--ray.num_workers``: ``N`` workers, or ``MIN:MAX`` for Ray Train's elastic scaling (Ray >= 2.50, whose
     ``ScalingConfig`` takes a range: the group starts with what the cluster has, at least MIN, and is resized as
@@ -118,9 +127,11 @@ def fit_on_ray(
     max_failures: int = 0,
     storage_path: str | Path | None = None,
     report_every_n_steps: int = 10,
+    resize_check_s: float = 60.0,
 ) -> Any:
     """Run ``lightning-accel fit ARGS`` on ``num_workers`` Ray Train workers (``(min, max)``: elastic, see
-    :func:`worker_count`); returns Ray's ``Result``.
+    :func:`worker_count`, with the cluster looked at for a new size every ``resize_check_s`` seconds while the group
+    is healthy: Ray's ``elastic_resize_monitor_interval_s``); returns Ray's ``Result``.
 
     Connects to the cluster in ``RAY_ADDRESS`` (or starts a local one, as ``ray.init()`` does). ``args`` are
     those of ``lightning-accel fit`` (without the subcommand); use ``--ckpt_path auto`` with a
@@ -140,7 +151,12 @@ def fit_on_ray(
     trainer = TorchTrainer(
         _worker,
         train_loop_config={"args": ["fit", *args], "report_every_n_steps": report_every_n_steps, "cwd": os.getcwd()},
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": 1},
+            elastic_resize_monitor_interval_s=resize_check_s,
+        ),
         run_config=RunConfig(
             storage_path=str(Path(storage_path or "runs/ray").resolve()),
             failure_config=FailureConfig(max_failures=max_failures),
@@ -159,4 +175,5 @@ def split_ray_args(argv: list[str]) -> tuple[argparse.Namespace | None, list[str
     parser.add_argument("--ray.use_gpu", dest="use_gpu", action="store_true")
     parser.add_argument("--ray.storage_path", dest="storage_path", default=None)
     parser.add_argument("--ray.report_every_n_steps", dest="report_every_n_steps", type=int, default=10)
+    parser.add_argument("--ray.resize_check_s", dest="resize_check_s", type=float, default=60.0)
     return parser.parse_known_args(argv)

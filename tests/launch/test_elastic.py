@@ -3,7 +3,6 @@ launcher saves and exits 75; the preemption grace period is checked against meas
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -194,40 +193,6 @@ def test_a_signal_skips_the_validation_that_was_due(tmp_path):
         trainer.fit(model, datamodule=dm)
     assert exc.value.code == EXIT_CODE_PREEMPTED and trainer.global_step == 4
     assert 4 not in validations and validations[-1] == 3  # due after step 4, skipped
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ray_train_restarts_a_killed_worker_and_resumes_from_our_checkpoint(tmp_path, expected):
-    """A real local Ray cluster (2 CPUs), 2 Ray Train workers: one killed mid-run, FailureConfig restarts the
-    group, --ckpt_path auto resumes from our checkpoint, and the weights equal the uninterrupted 2-rank run's
-    (Ray's DDP and torchrun's compute the same model, bit for bit)."""
-    pytest.importorskip("ray.train.lightning", reason="Ray Train is the optional [ray] extra (make test installs it)")
-    killed = tmp_path / "killed"
-    recipe(killed)
-    text = (killed / "recipe.yaml").read_text()
-    (killed / "recipe.yaml").write_text(text.replace("    - class_path: lightning_accel.PreemptionCheckpoint",
-        "    - class_path: lightning_accel.GoodputMonitor\n      init_args: {every_n_steps: 10}\n"
-        "    - class_path: lightning_accel.PreemptionCheckpoint"))  # fmt: skip
-    log = open(tmp_path / "log.txt", "w")
-    script = [sys.executable, str(ROOT / "tests/launch/ray_fit.py"), "2", str(killed)]
-    proc = subprocess.Popen(script, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for(killed / "ckpt" / "step=00000010.ckpt.manifest.json", proc, tmp_path)
-        workers = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
-        assert len(workers) == 2, [w.info["cmdline"] for w in workers]
-        workers[1].send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    result = json.loads((killed / "result.json").read_text())
-    assert result["error"] is None, result["error"]
-    # our callbacks reported to Ray: the ledger's shares, and a Ray checkpoint naming our newest file
-    assert result["metrics"]["step"] == STEPS and 0 < result["metrics"]["goodput/compute_share"] <= 1
-    assert result["latest"] == {"path": str(killed / "ckpt" / f"step={STEPS:08d}.ckpt"), "global_step": STEPS}
-    assert "resuming from" in (tmp_path / "log.txt").read_text()  # the restarted group resumed from our checkpoint
-    assert_bitwise(final_weights(killed), expected)
 
 
 def test_ray_options_are_split_from_the_fit_arguments():

@@ -1,11 +1,14 @@
 """A spot fleet on one machine: two torchrun agents (one per "node") on a c10d rendezvous at 127.0.0.1, one
-vanishes mid-run (agent and worker killed), a new one joins later. The run finishes with every sample of every
-epoch trained once, in the global order, and the two membership changes are in the log and the ledger."""
+vanishes mid-run (agent and worker killed), a new one joins later; and the same on a local Ray cluster of two
+raylets under Ray Train's elastic scaling. Each run finishes with every sample of every epoch trained once, in the
+global order, and the two membership changes are in the log and the ledger."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -101,10 +104,10 @@ def effective_batches(folder: Path) -> dict[int, list[list[int]]]:
     return {step: sorted(batches) for step, batches in sorted(kept.items())}
 
 
-def expected_batches() -> dict[int, list[list[int]]]:
+def expected_batches(epochs: int = EPOCHS) -> dict[int, list[list[int]]]:
     """The global order, 4 slots of BATCH a step (2 ranks x 2 accumulated, or 1 rank x 4)."""
     sampler, expected = ResumableSampler(range(SAMPLES), seed=SEED, batch_size=BATCH), {}
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         sampler.set_epoch(epoch)
         slots = sampler.global_slots()
         for k in range(STEPS_PER_EPOCH):
@@ -150,3 +153,34 @@ def test_a_node_vanishes_and_another_joins_and_every_sample_is_trained_once(tmp_
     assert results["goodput/membership_lost_s"] >= results["goodput/last_change_lost_s"] > 0
     assert "membership change 1" in logs and "membership change 2" in logs  # the summary, one row each
     assert [(c["before"], c["after"]) for c in results["membership"]] == [(2, 1), (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ray_trains_on_when_a_node_vanishes_and_grows_back_when_one_joins(tmp_path):
+    """``lightning-accel fit --ray.num_workers 1:2`` on a Ray cluster of two one-CPU nodes (tests/launch/ray_fleet.py):
+    the second node is removed at step 5 (its worker dies), Ray restarts the group on the one node left, which resumes
+    our checkpoint at world size 1; a node added at step 6 makes Ray's elastic policy grow the group back to 2, which
+    resumes at 2. Every optimizer step trains the global order's 4 micro-batches; the ledger has both changes."""
+    pytest.importorskip("ray.train", reason="Ray Train is the optional [ray] extra (make test installs it)")
+    epochs = 6  # long enough at one worker for Ray to notice the new node and regroup before the end
+    recipe = RECIPE.format(root=tmp_path, epochs=epochs, accumulate=ACCUMULATE_AT_2).replace("0.12", "0.2")
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    script = [sys.executable, str(ROOT / "tests/launch/ray_fleet.py"), str(tmp_path), "5", "6"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    log = (tmp_path / "fit.log").read_text() if (tmp_path / "fit.log").exists() else ""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:] + log[-4000:]
+    assert effective_batches(tmp_path / "trained") == expected_batches(epochs)
+    assert "2 -> 1 rank(s), accumulate_grad_batches 2 -> 4" in log
+    assert "Deciding to resize the worker group from 1 -> 2 workers" in log  # Ray's elastic policy grew it
+    assert "1 -> 2 rank(s), accumulate_grad_batches 4 -> 2" in log
+    results = json.loads((tmp_path / "run" / "goodput.json").read_text())
+    assert [(c["before"], c["after"]) for c in results["membership"]] == [(2, 1), (1, 2)]
+    assert results["goodput/membership_lost_s"] >= results["goodput/last_change_lost_s"] > 0
+    # RayReport sent our metrics to Ray (the ledger's included) and a Ray checkpoint naming our newest file
+    steps = epochs * STEPS_PER_EPOCH
+    finished = ast.literal_eval(re.search(r"Ray Train run finished: (\{.*\})", log).group(1))
+    assert finished["step"] == steps and finished["goodput/membership_changes"] == 2
+    newest = {"path": str(tmp_path / "ckpt" / f"step={steps:08d}.ckpt"), "global_step": steps}
+    assert f"newest checkpoint: {newest}" in log

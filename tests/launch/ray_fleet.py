@@ -1,0 +1,80 @@
+"""A spot fleet on Ray: a local cluster of two "nodes" (Ray's own ``cluster_utils.Cluster``, each a raylet with one
+CPU on this machine) runs ``lightning-accel fit --ray.num_workers 1:2`` (an elastic Ray Train group of 1 to 2
+workers). The second node is removed once the run reached step REMOVE_AT on two workers (its worker dies with it),
+and a new node is added once the group that is left trained to step ADD_AT on one; Ray's elastic policy grows the
+group back to two. Exits with the command's exit status.
+
+python tests/launch/ray_fleet.py ROOT REMOVE_AT ADD_AT
+
+ROOT holds recipe.yaml (the fleet test's, recording every micro-batch under ROOT/trained); the command's output goes
+to ROOT/fit.log. Cluster nodes are added and removed from this process's main thread, as Ray requires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Read by Ray's train controller, which the cluster's raylets start: set before they are. A lost node is noticed in
+# about 1.5 s (health checks every 0.5 s), and a group that cannot start at the size Ray first counted gives up after
+# 8 s instead of 60, so the test does not wait on Ray's defaults for clusters of real machines.
+os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "8"
+SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+TIMEOUT = 300
+
+
+def step(trained: Path) -> int:
+    progress = trained / "progress"
+    return int(progress.read_text()) if progress.exists() else -1
+
+
+def world_sizes(trained: Path) -> set[int]:
+    return {json.loads(p.read_text().split("\n")[0])["world_size"] for p in trained.glob("*.jsonl") if p.stat().st_size}
+
+
+def wait_until(condition, what: str, fit: subprocess.Popen) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        if fit.poll() is not None or time.monotonic() > deadline:
+            fit.kill()
+            raise SystemExit(f"ray_fleet: the run ended or timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    root, remove_at, add_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    trained = root / "trained"
+    head = {"num_cpus": 1, "include_dashboard": False, "_system_config": SYSTEM_CONFIG}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    node = cluster.add_node(num_cpus=1)
+    command = [sys.executable, "-m", "lightning_accel.cli", "fit", "--config", str(root / "recipe.yaml")]
+    command += ["--ckpt_path", "auto", "--ray.num_workers", "1:2", "--ray.max_failures", "3"]
+    command += ["--ray.resize_check_s", "2", "--ray.storage_path", str(root / "ray")]
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    with open(root / "fit.log", "w") as log:
+        fit = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: step(trained) >= remove_at and 2 in world_sizes(trained), "two workers", fit)
+            cluster.remove_node(node)  # the node vanishes: its raylet and the worker on it die
+            print(f"ray_fleet: node removed at step {step(trained)}", flush=True)
+            wait_until(lambda: 1 in world_sizes(trained) and step(trained) >= add_at, "one worker", fit)
+            cluster.add_node(num_cpus=1)  # a node joins; Ray's elastic policy sees it at its next look
+            print(f"ray_fleet: node added at step {step(trained)}", flush=True)
+            code = fit.wait(timeout=TIMEOUT)
+        finally:
+            if fit.poll() is None:
+                fit.kill()
+            ray.shutdown()
+            cluster.shutdown()
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()
