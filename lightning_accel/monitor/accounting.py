@@ -129,17 +129,23 @@ class GoodputAccounting:
         self._redo_until = reached_step
         return reached_step - start_step
 
-    def reached(self, step: int) -> None:
-        """An optimizer step finished at global step ``step``: the redone work ends once the old high is reached."""
+    def reached(self, step: int) -> float | None:
+        """An optimizer step finished at global step ``step``: the redone work ends once the old high is reached.
+        Returns the seconds this attempt spent redoing it when this step ends it, else ``None``."""
         if self._redo_until is not None and step >= self._redo_until:
-            self.lost_s += self.clock() - self._attempt_start
-            self._redo_until = None
+            return self._end_redo()
+        return None
 
-    def end_attempt(self) -> None:
-        """Stopped before catching up with the previous attempt: all of this one was redone work."""
-        if self._redo_until is not None:
-            self.lost_s += self.clock() - self._attempt_start
-            self._redo_until = None
+    def end_attempt(self) -> float | None:
+        """Stopped before catching up with the previous attempt: all of this one was redone work (its seconds are
+        returned, ``None`` when nothing was being redone)."""
+        return self._end_redo() if self._redo_until is not None else None
+
+    def _end_redo(self) -> float:
+        redone = self.clock() - self._attempt_start
+        self.lost_s += redone
+        self._redo_until = None
+        return redone
 
     # -- stragglers ---------------------------------------------------------------------------------
     @staticmethod

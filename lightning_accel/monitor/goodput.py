@@ -184,12 +184,12 @@ class GoodputMonitor(Callback):
         self.membership.load_state_dict(state_dict.get("membership"))
         self._saved_world, self._saved_at = state_dict.get("world_size"), state_dict.get("saved_at")
 
-    def _record_membership_change(self, trainer: Trainer, reached: int | None) -> None:
+    def _record_membership_change(self, trainer: Trainer) -> None:
         # every rank calls this (a broadcast): the group resumed a checkpoint written by another number of ranks
         last = last_progress_time(self._run_dir) if trainer.is_global_zero and self._run_dir else None
         last = trainer.strategy.broadcast(last, src=0)
         before, now = self._saved_world, trainer.world_size
-        change = self.membership.begin(before, now, trainer.global_step, self._saved_at, last, time.time(), reached)
+        change = self.membership.begin(before, now, trainer.global_step, self._saved_at, last, time.time())
         if trainer.is_global_zero:
             log.warning("membership change: %s so far (the replay is counted as it happens)", change.describe())
 
@@ -215,7 +215,7 @@ class GoodputMonitor(Callback):
             log.info("Resumed at step %d; the previous attempt had reached step %d", start, reached)
         self._world_size = trainer.world_size
         if self._saved_world not in (None, trainer.world_size) and self._saved_at is not None:
-            self._record_membership_change(trainer, reached)
+            self._record_membership_change(trainer)
         self._highest = max(start, reached or 0)
         self._last_progress = time.perf_counter()
         if trainer.is_global_zero and self._run_dir is not None:
@@ -254,8 +254,9 @@ class GoodputMonitor(Callback):
         self.accounting.update(self.batch_size_fn(batch), tokens, step)
         if step == previous:  # inside an accumulation window
             return
-        self.accounting.reached(step)
-        self.membership.reached(step)
+        replayed = self.accounting.reached(step)
+        if replayed is not None:  # caught up with the previous attempt: the replay a membership change cost too
+            self.membership.replayed(replayed)
         if step > self._highest:
             self._highest = step
             now = time.perf_counter()
@@ -346,8 +347,9 @@ class GoodputMonitor(Callback):
     # -- end of fit ---------------------------------------------------------------------------------
     def _finish(self, trainer: Trainer) -> None:
         self._close_counter()
-        self.accounting.end_attempt()
-        self.membership.end_replay()
+        replayed = self.accounting.end_attempt()
+        if replayed is not None:
+            self.membership.replayed(replayed)
         if trainer.is_global_zero and self._run_dir is not None:
             write_highest_step(self._run_dir, self._highest)
         if self.ledger.running:

@@ -7,13 +7,12 @@ the checkpoint it resumed to the step the old group had reached:
   progress, so at most the progress interval short);
 - ``restart_s``: from there to the new group training again: noticing the failure, re-rendezvous, starting the
   processes, loading the checkpoint;
-- ``replay_s``: the new group training again up to the step the old one had reached.
+- ``replay_s``: the new group training again up to the step the old one had reached (measured once, by
+  ``GoodputAccounting``, which counts the same seconds as lost work, and handed over with :meth:`replayed`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -46,42 +45,27 @@ class Change:
 class MembershipLog:
     """The changes of a run, carried across attempts in the checkpoint (``state_dict``)."""
 
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
-        self.monotonic = monotonic
+    def __init__(self) -> None:
         self.changes: list[Change] = []
-        self._replay: tuple[Change, int, float] | None = None  # the change being replayed, up to which step, since
+        self._replaying: Change | None = None  # the change whose new group is training again what was lost
 
     def begin(
-        self,
-        before: int,
-        after: int,
-        step: int,
-        checkpoint_at: float,
-        last_progress_at: float | None,
-        now: float,
-        redo_until: int | None,
+        self, before: int, after: int, step: int, checkpoint_at: float, last_progress_at: float | None, now: float
     ) -> Change:
         """The new group is training again at ``step`` (wall clock ``now``); the checkpoint was taken at
         ``checkpoint_at`` and the old group last recorded progress at ``last_progress_at`` (wall clock, ``None``:
-        unknown, all of it counts as restart); it had reached ``redo_until``."""
+        unknown, all of it counts as restart)."""
         failed_at = max(checkpoint_at, last_progress_at if last_progress_at is not None else checkpoint_at)
         change = Change(before, after, step, failed_at - checkpoint_at, max(0.0, now - failed_at))
         self.changes.append(change)
-        if redo_until is not None and redo_until > step:
-            self._replay = (change, redo_until, self.monotonic())
+        self._replaying = change
         return change
 
-    def reached(self, step: int) -> None:
-        """An optimizer step ended at ``step``: the replay ends at the step the old group had reached."""
-        if self._replay is not None and step >= self._replay[1]:
-            self.end_replay()
-
-    def end_replay(self) -> None:
-        """The attempt ends (or caught up): the time replayed so far is the change's replay."""
-        if self._replay is not None:
-            change, _, since = self._replay
-            change.replay_s = self.monotonic() - since
-            self._replay = None
+    def replayed(self, seconds: float) -> None:
+        """The new group caught up with the old one (or its attempt ended first) after ``seconds`` of replay."""
+        if self._replaying is not None:
+            self._replaying.replay_s = seconds
+            self._replaying = None
 
     def metrics(self) -> dict[str, float]:
         if not self.changes:
@@ -97,4 +81,4 @@ class MembershipLog:
 
     def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
         self.changes = [Change(**change) for change in state or []]
-        self._replay = None
+        self._replaying = None
