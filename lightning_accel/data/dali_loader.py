@@ -167,6 +167,7 @@ class DALILoader:
         self._handed = 0  # batches handed out this epoch: says which batch is the last after a resume
         self._resumed = False
         self.epoch, self._next_epoch = 0, 0  # the epoch being handed out, counted by __iter__
+        self._said_unfinished = False
 
     @property
     def follows_world_size(self) -> bool:
@@ -257,15 +258,23 @@ class DALILoader:
         """The last pass stopped early (Lightning's sanity check takes 2 batches; ``limit_*_batches``): DALI would
         go on with the rest of that epoch, so the next pass would start mid-epoch, its batches rotated and a folder's
         cut last batch in the wrong place. A pipeline whose order can be placed (arrays) or never changes (no
-        shuffle) is built again at the next epoch's start; a shuffling file reader is run to its epoch's end."""
+        shuffle: validation) is built again at the next epoch's start. A shuffling file reader cannot be placed, and
+        reading the rest of its epoch would decode what ``limit_train_batches`` meant to skip: it goes on (said once).
+        """
         if self.dealt is not None or self.same_order_every_epoch:
             if self.dealt is not None:
                 self.dealt.start_at(self._next_epoch, 0)
             self.iterator = self._build(None)
-            return
-        log.info("DALI: reading the rest of an epoch left unfinished (%d of %d batches)", self._handed, self.length)
-        for _ in self.iterator:
-            pass
+        elif not self._said_unfinished:
+            self._said_unfinished = True
+            log.warning(
+                "DALI: a training pass over %s stopped after %d of %d batches (limit_train_batches?); DALI's file "
+                "reader goes on with the rest of that epoch's order in the next pass, whose last batch may hold "
+                "repeated samples. Train on whole epochs, or give DALIImageDataModule train_arrays=.",
+                self.source,
+                self._handed,
+                self.length,
+            )
 
     def __iter__(self) -> Iterator[Any]:
         if self._resumed:

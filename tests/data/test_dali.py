@@ -291,27 +291,30 @@ def test_resume_mid_epoch_cuts_the_right_last_batch(tmp_path, stick_to_shard):
     assert all(torch.equal(a, b) for a, b in zip([x for x, _ in resumed], reference[1], strict=True))
 
 
-def test_a_pass_stopped_early_leaves_the_next_one_whole(image_dir):
+def test_a_pass_stopped_early_leaves_the_next_one_whole(image_dir, caplog):
     """Lightning's sanity check takes 2 validation batches and stops; ``limit_train_batches`` stops an epoch early.
-    The next pass starts at an epoch's first batch, not where DALI stopped: validation (folder, with its cut last
-    batch of 2 on shard 1; arrays) gives the whole set in order, and a shuffling training epoch (folder: its reader is
-    run to the end; arrays: dealt afresh) is the next epoch of an uninterrupted loader."""
+    The next validation starts at its first batch, not where DALI stopped (folder, with its cut last batch of 2 on
+    shard 1; arrays): the whole set in order, every time. A training epoch over arrays cut short is followed by the
+    next epoch of an uninterrupted loader; a shuffling file reader cannot be placed, goes on, and says so once."""
     images = np.stack([np.full((12, 10, 3), color(k), dtype=np.uint8) for k in range(N)])
-    arrays = {"train_arrays": (images, np.arange(N)), "val_arrays": (images[:10], np.arange(10))}
+    arrays = {"train_dir": None, "train_arrays": (images, np.arange(N)), "val_arrays": (images[:10], np.arange(10))}
     folder = {"val_dir": str(image_dir), "batch_size": 5, "shard_id": 1, "num_shards": 2}
     for kw in (folder, arrays):
-        whole = make(image_dir, **kw)
-        val = whole.val_dataloader()
+        val = make(image_dir, **kw).val_dataloader()
         expected = [ids(x) for x, _ in val]
         it = iter(val)
         assert [ids(next(it)[0]) for _ in range(2)] == expected[:2]  # the sanity check
         assert [ids(x) for x, _ in val] == expected and [ids(x) for x, _ in val] == expected, kw
-        reference = make(image_dir, **kw).train_dataloader()
-        epochs = [epoch_ids(reference) for _ in range(3)]
-        train = whole.train_dataloader()
-        next(iter(train))  # an epoch cut short after one batch
-        assert epoch_ids(train) == epochs[1] and epoch_ids(train) == epochs[2], kw
     assert [len(b) for b in expected] == [4, 4, 2]  # arrays: 10 in batches of 4
+    reference = make(image_dir, **arrays).train_dataloader()
+    epochs = [epoch_ids(reference) for _ in range(3)]
+    train = make(image_dir, **arrays).train_dataloader()
+    next(iter(train))  # an epoch cut short after one batch
+    assert epoch_ids(train) == epochs[1] and epoch_ids(train) == epochs[2]
+    files = make(image_dir).train_dataloader()
+    for _ in range(2):
+        next(iter(files))
+    assert caplog.text.count("DALI's file reader goes on with the rest of that epoch's order") == 1
 
 
 def test_stick_to_shard_keeps_each_rank_on_its_files(image_dir):
