@@ -15,7 +15,7 @@ import numpy as np
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from PIL import Image
 
-from lightning_accel.data.resumable import cut_slots, deal_slots, epoch_order
+from lightning_accel.data.resumable import cut_slots, deal_slots, epoch_order, slots_per_rank
 from lightning_accel.ranks import gather_from_ranks
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,7 @@ class DealtArraySource:
 
     def num_batches(self) -> int:
         """Batches one rank sees in a whole epoch: the same on every rank, and the same every epoch."""
-        n, batch = len(self.images), self.batch_size
-        slots = n // batch if self.last_batch == "drop" else math.ceil(n / batch)
-        return slots // self.num_shards if self.last_batch == "drop" else math.ceil(slots / self.num_shards)
+        return slots_per_rank(len(self.images), self.batch_size, self.num_shards, self.last_batch == "drop")
 
     def __call__(self, info: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
         batches = self.batches(info.epoch_idx)
@@ -172,7 +170,7 @@ class DALILoader:
     @property
     def follows_world_size(self) -> bool:
         """Whether PreemptionCheckpoint may resume this loader on another number of ranks (arrays: yes)."""
-        return getattr(self, "dealt", None) is not None
+        return self.dealt is not None
 
     # Read by PreemptionCheckpoint when it refuses a resume on another number of ranks.
     world_change_fix = (

@@ -73,15 +73,10 @@ class ResumableSampler(DistributedSampler):
         self._follow_process_group()
         return self.num_replicas
 
-    def _slot_count(self) -> int:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
-
     def __len__(self) -> int:
         """Samples per rank in a whole epoch, counted in full slots (the loader's length is this over the batch)."""
-        slots, replicas = self._slot_count(), self.world_size
-        per_rank = slots // replicas if self.drop_last else math.ceil(slots / replicas)
-        return per_rank * self.batch_size
+        n = len(self.dataset)  # type: ignore[arg-type]
+        return slots_per_rank(n, self.batch_size, self.world_size, self.drop_last) * self.batch_size
 
     def global_slots(self) -> list[list[int]]:
         """This epoch's order cut into slots of ``batch_size`` (the last one short unless ``drop_last``)."""
@@ -105,10 +100,20 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
+def slot_count(n: int, batch_size: int, drop_last: bool) -> int:
+    """Slots of ``batch_size`` in an epoch of ``n`` samples: the short last one counted unless ``drop_last``."""
+    return n // batch_size if drop_last else math.ceil(n / batch_size)
+
+
+def slots_per_rank(n: int, batch_size: int, replicas: int, drop_last: bool) -> int:
+    """Slots each of ``replicas`` ranks is dealt in a whole epoch (:func:`deal_slots`): the same on every rank."""
+    slots = slot_count(n, batch_size, drop_last)
+    return slots // replicas if drop_last else math.ceil(slots / replicas)
+
+
 def cut_slots(order: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
     """``order`` cut into slots of ``batch_size``: the last one short, or dropped with ``drop_last``."""
-    count = len(order) // batch_size if drop_last else math.ceil(len(order) / batch_size)
-    return [order[i * batch_size : (i + 1) * batch_size] for i in range(count)]
+    return [order[i * batch_size : (i + 1) * batch_size] for i in range(slot_count(len(order), batch_size, drop_last))]
 
 
 def deal_slots(slots: list[list[int]], start: int, replicas: int, rank: int, drop_last: bool) -> list[list[int]]:

@@ -254,9 +254,8 @@ class GoodputMonitor(Callback):
         self.accounting.update(self.batch_size_fn(batch), tokens, step)
         if step == previous:  # inside an accumulation window
             return
-        replayed = self.accounting.reached(step)
-        if replayed is not None:  # caught up with the previous attempt: the replay a membership change cost too
-            self.membership.replayed(replayed)
+        # caught up with the previous attempt: the replay is what a membership change cost too
+        self.membership.replayed(self.accounting.reached(step))
         if step > self._highest:
             self._highest = step
             now = time.perf_counter()
@@ -347,9 +346,7 @@ class GoodputMonitor(Callback):
     # -- end of fit ---------------------------------------------------------------------------------
     def _finish(self, trainer: Trainer) -> None:
         self._close_counter()
-        replayed = self.accounting.end_attempt()
-        if replayed is not None:
-            self.membership.replayed(replayed)
+        self.membership.replayed(self.accounting.end_attempt())
         if trainer.is_global_zero and self._run_dir is not None:
             write_highest_step(self._run_dir, self._highest)
         if self.ledger.running:

@@ -61,9 +61,10 @@ class MembershipLog:
         self._replaying = change
         return change
 
-    def replayed(self, seconds: float) -> None:
-        """The new group caught up with the old one (or its attempt ended first) after ``seconds`` of replay."""
-        if self._replaying is not None:
+    def replayed(self, seconds: float | None) -> None:
+        """The new group caught up with the old one (or its attempt ended first) after ``seconds`` of replay: what
+        ``GoodputAccounting.reached``/``end_attempt`` return (``None``: no replay ended)."""
+        if self._replaying is not None and seconds is not None:
             self._replaying.replay_s = seconds
             self._replaying = None
 

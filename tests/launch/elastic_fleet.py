@@ -77,3 +77,14 @@ class Record(Callback):
             tmp = self.folder / "progress.tmp"
             tmp.write_text(str(trainer.global_step))
             os.replace(tmp, self.folder / "progress")
+
+
+def step_reached(folder: Path) -> int:
+    """The global step rank 0 last wrote to ``folder/progress`` (-1 before the first)."""
+    progress = folder / "progress"
+    return int(progress.read_text()) if progress.exists() else -1
+
+
+def world_sizes(folder: Path) -> set[int]:
+    """The world sizes of the groups that have trained so far (each worker's first record)."""
+    return {json.loads(p.read_text().split("\n")[0])["world_size"] for p in folder.glob("*.jsonl") if p.stat().st_size}

@@ -12,12 +12,13 @@ to ROOT/fit.log. Cluster nodes are added and removed from this process's main th
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.launch.elastic_fleet import step_reached, world_sizes
 
 # Read by Ray's train controller, which the cluster's raylets start: set before they are. A lost node is noticed in
 # about 1.5 s (health checks every 0.5 s), and a group that cannot start at the size Ray first counted gives up after
@@ -25,15 +26,6 @@ from pathlib import Path
 os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "8"
 SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 TIMEOUT = 300
-
-
-def step(trained: Path) -> int:
-    progress = trained / "progress"
-    return int(progress.read_text()) if progress.exists() else -1
-
-
-def world_sizes(trained: Path) -> set[int]:
-    return {json.loads(p.read_text().split("\n")[0])["world_size"] for p in trained.glob("*.jsonl") if p.stat().st_size}
 
 
 def wait_until(condition, what: str, fit: subprocess.Popen) -> None:
@@ -61,12 +53,12 @@ def main() -> None:
     with open(root / "fit.log", "w") as log:
         fit = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_until(lambda: step(trained) >= remove_at and 2 in world_sizes(trained), "two workers", fit)
+            wait_until(lambda: step_reached(trained) >= remove_at and 2 in world_sizes(trained), "two workers", fit)
             cluster.remove_node(node)  # the node vanishes: its raylet and the worker on it die
-            print(f"ray_fleet: node removed at step {step(trained)}", flush=True)
-            wait_until(lambda: 1 in world_sizes(trained) and step(trained) >= add_at, "one worker", fit)
+            print(f"ray_fleet: node removed at step {step_reached(trained)}", flush=True)
+            wait_until(lambda: 1 in world_sizes(trained) and step_reached(trained) >= add_at, "one worker", fit)
             cluster.add_node(num_cpus=1)  # a node joins; Ray's elastic policy sees it at its next look
-            print(f"ray_fleet: node added at step {step(trained)}", flush=True)
+            print(f"ray_fleet: node added at step {step_reached(trained)}", flush=True)
             code = fit.wait(timeout=TIMEOUT)
         finally:
             if fit.poll() is None:

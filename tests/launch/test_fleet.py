@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from lightning_accel.data import ResumableSampler
-from tests.launch.elastic_fleet import BATCH, SAMPLES, SEED
+from tests.launch.elastic_fleet import BATCH, SAMPLES, SEED, step_reached, world_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCHS, ACCUMULATE_AT_2 = 4, 2
@@ -119,23 +119,15 @@ def expected_batches(epochs: int = EPOCHS) -> dict[int, list[list[int]]]:
 @pytest.mark.multiprocess
 def test_a_node_vanishes_and_another_joins_and_every_sample_is_trained_once(tmp_path):
     (tmp_path / "recipe.yaml").write_text(RECIPE.format(root=tmp_path, epochs=EPOCHS, accumulate=ACCUMULATE_AT_2))
-    progress, trained = tmp_path / "trained" / "progress", tmp_path / "trained"
-
-    def step() -> int:
-        return int(progress.read_text()) if progress.exists() else -1
-
-    def world_sizes() -> set[int]:
-        return {
-            json.loads(p.read_text().split("\n")[0])["world_size"] for p in trained.glob("*.jsonl") if p.stat().st_size
-        }
+    trained = tmp_path / "trained"
 
     port = free_port()
     a = agent(tmp_path, "a", port, hosts_store=True)
     time.sleep(0.5)
     b = agent(tmp_path, "b", port, hosts_store=False)
-    wait_until(lambda: step() >= 5, "step 5 on two nodes", [a, b])
+    wait_until(lambda: step_reached(trained) >= 5, "step 5 on two nodes", [a, b])
     kill_tree(b)
-    wait_until(lambda: 1 in world_sizes() and step() >= 8, "step 8 on the node that stayed", [a])
+    wait_until(lambda: 1 in world_sizes(trained) and step_reached(trained) >= 8, "step 8 on the node that stayed", [a])
     c = agent(tmp_path, "c", port, hosts_store=False)
     for proc in (a, c):
         try:
