@@ -1,4 +1,4 @@
-"""Every Lightning private name lightning-accel relies on, and nowhere else (and one of torch's).
+"""Every Lightning private name lightning-accel relies on, and nowhere else (and one of torch's, one of DeepSpeed's).
 
 Lightning has no public API for these. Each is imported or read here only, and
 ``tests/test_compat.py`` checks each one against the installed Lightning, so an upgrade that
@@ -7,7 +7,8 @@ renames or changes one fails that test by name instead of breaking a training ru
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, get_args
 
@@ -41,6 +42,22 @@ optimizers_to_device = _optimizers_to_device
 # ``AccelFSDPStrategy.setup`` mirrors. A Lightning release that changes that method fails
 # tests/test_compat.py: compare the two and update ours before updating this digest.
 MODEL_PARALLEL_SETUP_DIGEST = "fdf402066d49c198"
+
+
+@contextmanager
+def deepspeed_loads_universal(engine: Any) -> Iterator[None]:
+    """A DeepSpeed engine reads its universal checkpoint in this block (``"checkpoint": {"load_universal": true}``).
+
+    DeepSpeed reads the flag from its config object at every ``load_checkpoint``, and has no setter: the engine was
+    built before anyone knew the checkpoint came from another world size.
+    """
+    config = engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = before
 
 
 def set_data_parallel_size(strategy: ModelParallelStrategy, size: int) -> None:

@@ -6,10 +6,12 @@ A failure here after a Lightning upgrade names what moved; fix _compat.py (and o
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import inspect
 import re
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -257,3 +259,32 @@ def test_the_fit_loop_batch_counters_a_world_change_recounts_are_where_the_check
     assert counts["current"] == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
     assert _compat.rescale_train_batches(ck, 2, 1) == 8
     assert counts["current"] == counts["total"] == {"ready": 8, "started": 8, "processed": 8, "completed": 7}
+
+
+def deepspeed_source(module: str) -> str:
+    """The text of one of DeepSpeed's modules, read without importing DeepSpeed (it picks an accelerator at import)."""
+    spec = importlib.util.find_spec("deepspeed")
+    assert spec is not None and spec.origin is not None, "DeepSpeed is a dependency: it must be installed"
+    return (Path(spec.origin).parent / module).read_text()
+
+
+def test_deepspeed_still_reads_the_universal_flag_and_accumulation_where_we_set_them():
+    """deepspeed_loads_universal sets engine._config.load_universal_checkpoint, which the engine reads at every
+    load_checkpoint; AccelDeepSpeedStrategy follows an accumulation change with the public set_train_batch_size
+    and the ZeRO-1/2 optimizer's own gradient_accumulation_steps (read when gradients are offloaded)."""
+    engine = deepspeed_source("runtime/engine.py")
+    assert "return self._config.load_universal_checkpoint" in engine
+    assert 'latest_tag = "latest_universal" if self.load_universal_checkpoint() else "latest"' in engine
+    assert "def set_train_batch_size(self, train_batch_size):" in engine
+    assert "def backward(self, loss, retain_graph=False, scale_wrt_gas=True):" in engine
+    zero = deepspeed_source("runtime/zero/stage_1_and_2.py")
+    assert "self.gradient_accumulation_steps = gradient_accumulation_steps" in zero
+    config = SimpleNamespace(load_universal_checkpoint=False)
+    with _compat.deepspeed_loads_universal(SimpleNamespace(_config=config)):
+        assert config.load_universal_checkpoint is True
+    assert config.load_universal_checkpoint is False
+    converter = deepspeed_source("checkpoint/ds_to_universal.py")
+    for option in ("input_folder", "output_folder", "num_extract_workers", "num_merge_workers", "keep_temp_folder"):
+        assert f"args.{option}" in converter, option
+    assert "args.strict" in converter and "args.inject_missing_state" in converter
+    assert "latest_file = os.path.join(checkpoint_root_folder, 'latest_universal')" in converter

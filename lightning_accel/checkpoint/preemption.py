@@ -138,6 +138,7 @@ class PreemptionCheckpoint(Callback):
         self._validation_rng: RNGState | None = None
         self._deferred = False  # a save that fell on an epoch's last batch, done at the next step
         self._world_change: WorldChange | None = None  # this fit resumes a checkpoint written on another world size
+        self._configured_accumulation: int | None = None
         self._pending_epoch_state: list[EpochState] | None = None  # every rank's, until the first resumed batch
         self._pending_results: PendingResults | None = None  # logged values not yet folded into the resumed epoch
         self._validation_due = False  # after the batch being saved by save(); after the one resumed from, on load
@@ -167,6 +168,8 @@ class PreemptionCheckpoint(Callback):
         self.save_timer.reset()
         self.stop_signals.reset()
         self._world_change = None
+        # What the user's Trainer says, before a resume on another size changes it (saved with each checkpoint).
+        self._configured_accumulation = int(trainer.accumulate_grad_batches)
         self._pending_epoch_state, self._pending_results = None, None
         self._validation_due = False
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
@@ -377,7 +380,7 @@ class PreemptionCheckpoint(Callback):
         checkpoint[RUN_ID_KEY] = self.run_id
         checkpoint[EPOCH_STATE_KEY] = gather_from_ranks(capture_epoch_state(trainer, pl_module))
         checkpoint[VALIDATION_DUE_KEY] = self._validation_due  # True only in save(), at a training batch's end
-        checkpoint[WORLD_KEY] = world_of(trainer)
+        checkpoint[WORLD_KEY] = world_of(trainer, self._configured_accumulation)
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_epoch_state = checkpoint.get(EPOCH_STATE_KEY)

@@ -21,11 +21,19 @@ from lightning_accel._compat import rescale_train_batches, train_batches_in_chec
 log = logging.getLogger(__name__)
 
 WORLD_KEY = "lightning_accel_world"  # the world size and accumulation that wrote a checkpoint
+CONFIGURED_KEY = "configured_accumulate_grad_batches"  # what that attempt's Trainer(accumulate_grad_batches=) said
 
 
-def world_of(trainer: Trainer) -> dict[str, int]:
-    """What a checkpoint records of the run that writes it."""
-    return {"world_size": trainer.world_size, "accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
+def world_of(trainer: Trainer, configured_accumulation: int | None = None) -> dict[str, int]:
+    """What a checkpoint records of the run that writes it: its world size and accumulation, and the accumulation
+    its Trainer was given (``configured_accumulation``, before a resume changed it), which tells a later attempt's
+    unchanged script from a new choice."""
+    accumulation = int(trainer.accumulate_grad_batches)
+    return {
+        "world_size": trainer.world_size,
+        "accumulate_grad_batches": accumulation,
+        CONFIGURED_KEY: configured_accumulation or accumulation,
+    }
 
 
 @dataclass(frozen=True)
@@ -50,11 +58,32 @@ class WorldChange:
 
 def follow_world_change(trainer: Trainer, checkpoint: dict[str, Any], callback_state_key: str) -> WorldChange | None:
     """When ``checkpoint`` was written on another number of ranks: plan the change and apply it to ``trainer`` and
-    ``checkpoint`` (call before Lightning restores its loops); the change, or ``None`` at the same size."""
-    change = plan_world_change(saved_world(checkpoint, callback_state_key), trainer)
+    ``checkpoint`` (call before Lightning restores its loops); the change, or ``None`` at the same size. At the same
+    size, the accumulation an earlier change chose is kept (the script still says the first attempt's)."""
+    saved = saved_world(checkpoint, callback_state_key)
+    kept = accumulation_to_keep(saved, trainer)
+    if kept is not None:
+        log.info(
+            "keeping accumulate_grad_batches=%d, which this run chose when its world size changed (the Trainer says "
+            "%d, as in the attempt that started it)",
+            kept,
+            trainer.accumulate_grad_batches,
+        )
+        trainer.accumulate_grad_batches = kept
+    change = plan_world_change(saved, trainer)
     if change is not None:
         apply_world_change(change, trainer, checkpoint)
     return change
+
+
+def accumulation_to_keep(saved: dict[str, Any] | None, trainer: Trainer) -> int | None:
+    """At the size that saved, the saved accumulation where it differs from the Trainer's only because an earlier
+    resume changed it (the Trainer still says what the saving attempt was configured with); else ``None``."""
+    if not saved or saved["world_size"] != trainer.world_size or not saved.get("accumulate_grad_batches"):
+        return None
+    accumulation, configured = saved["accumulate_grad_batches"], saved.get(CONFIGURED_KEY)
+    unchanged_script = configured is not None and trainer.accumulate_grad_batches == configured
+    return accumulation if unchanged_script and accumulation != configured else None
 
 
 def saved_world(checkpoint: dict[str, Any], callback_state_key: str) -> dict[str, Any] | None:
@@ -76,7 +105,8 @@ def plan_world_change(saved: dict[str, Any] | None, trainer: Trainer) -> WorldCh
         return None
     before, now = saved["world_size"], trainer.world_size
     accumulation = saved["accumulate_grad_batches"] or int(trainer.accumulate_grad_batches)
-    if trainer.accumulate_grad_batches != accumulation:  # the user chose one for the new size: theirs holds
+    configured = saved.get(CONFIGURED_KEY) or accumulation  # what the saving attempt's Trainer was given
+    if trainer.accumulate_grad_batches != configured:  # the user chose one for the new size: theirs holds
         return WorldChange(before, now, accumulation, int(trainer.accumulate_grad_batches))
     per_step = accumulation * before  # per-rank batches in one optimizer step, all ranks together
     if per_step % now:
@@ -92,12 +122,13 @@ def plan_world_change(saved: dict[str, Any] | None, trainer: Trainer) -> WorldCh
 
 def apply_world_change(change: WorldChange, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Set the new accumulation and re-count the fit loop's batches in ``checkpoint`` (before Lightning reads it)."""
-    if isinstance(trainer.strategy, DeepSpeedStrategy):
+    if isinstance(trainer.strategy, DeepSpeedStrategy) and not getattr(trainer.strategy, "follows_world_size", False):
         raise ValueError(
             f"PreemptionCheckpoint: resuming a DeepSpeed checkpoint on another number of ranks ({change}) needs "
-            "DeepSpeed's universal checkpoint (ds_to_universal.py, then load_universal), which this run does not use. "
-            f"Resume on {change.saved_world_size} rank(s), or train with strategy='accel_fsdp' (it reshards through "
-            "torch.distributed.checkpoint) or 'ddp' (docs/distributed.md, 'Spot fleets')."
+            "DeepSpeed's universal checkpoint, which Lightning's DeepSpeedStrategy does not load. Train with our "
+            "presets (strategy='accel_zero2' or 'accel_zero3': they convert and load it), resume on "
+            f"{change.saved_world_size} rank(s), or use strategy='accel_fsdp' or 'ddp' (docs/distributed.md, "
+            "'Spot fleets')."
         )
     done = train_batches_in_checkpoint(checkpoint)
     if (done * change.saved_world_size) % change.world_size:

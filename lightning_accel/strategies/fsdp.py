@@ -2,7 +2,8 @@
 
 Lightning's ``ModelParallelStrategy`` expects the user to shard inside ``configure_model``; this
 subclass does it for any LightningModule: each repeated block (the children of ``nn.ModuleList``s, or
-the classes you name) becomes one FSDP unit, optionally activation-checkpointed, then the root.
+the classes you name) becomes one FSDP unit, optionally activation-checkpointed, then each direct child
+holding other parameters (so ``training_step`` may call ``self.net(x)`` rather than ``self(x)``), then the root.
 It runs wherever FSDP2 does, the CPU on gloo included.
 """
 
@@ -24,7 +25,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolic
 
 from lightning_accel._compat import materialize_distributed_module, optimizers_to_device, set_data_parallel_size
 from lightning_accel.strategies.activation_checkpointing import checkpoint_blocks
-from lightning_accel.strategies.blocks import find_block_classes
+from lightning_accel.strategies.blocks import children_beside_blocks, find_block_classes
 from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit, init_restart_safe_process_group
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: Save a sharded folder (``True``) or one full file on rank 0.
         process_group_backend: ``"nccl"``/``"gloo"``; ``None`` picks by device.
         timeout: Collective timeout.
+        shard_children: Make each direct child holding parameters outside the blocks a unit too, so a
+            ``training_step`` that calls ``self.net(x)`` rather than ``self(x)`` works. ``False`` leaves them to the
+            root unit: needed when ``forward`` reads a child's parameters without calling that child
+            (``x @ self.embed.weight.T``), since a child unit's parameters are gathered only while it runs.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        shard_children: bool = True,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -68,12 +74,18 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.mixed_precision = mixed_precision
         self.reshard_after_forward = reshard_after_forward
+        self.shard_children = shard_children
 
     def shard(self, module: nn.Module) -> set[type[nn.Module]]:
         """Apply activation checkpointing and ``fully_shard`` to ``module`` in place; returns the block classes."""
         blocks = find_block_classes(module, self.block_classes)
+        children = children_beside_blocks(module, blocks) if self.shard_children else []
         if not blocks:
-            log.warning("no repeated blocks found in %s: sharding it as one unit", type(module).__name__)
+            log.warning(
+                "no repeated blocks found in %s: sharding %s",
+                type(module).__name__,
+                f"its {len(children)} child module(s) each as a unit, then the rest" if children else "it as one unit",
+            )
         if self.activation_checkpointing and blocks:
             checkpoint_blocks(module, set(blocks), "full")
         mp = (
@@ -85,6 +97,8 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         for m in list(module.modules()):
             if isinstance(m, tuple(blocks)):
                 fully_shard(m, reshard_after_forward=self.reshard_after_forward, **kwargs)
+        for child in children:  # gathered when called, whether or not training_step goes through forward
+            fully_shard(child, reshard_after_forward=self.reshard_after_forward, **kwargs)
         fully_shard(module, **kwargs)
         rank_zero_info(
             f"accel_fsdp: sharded {sorted(c.__name__ for c in blocks)} over {self.world_size} ranks "

@@ -13,9 +13,9 @@ collector frees. So the hook collects too, which joins gloo's threads now rather
 shutdown. FSDP2 is the exception: DTensor's sharding caches keep its device mesh, and so the group,
 alive, and no public API clears them.
 
-Nothing is registered on ``import lightning_accel``. Our strategies (``accel_ddp*``, ``accel_fsdp*``)
-register the hook when they set up their process group (it acts at exit only on gloo), and so does
-the ``lightning-accel`` CLI; a program training with a stock strategy on gloo calls
+Nothing is registered on ``import lightning_accel``. Our strategies (``accel_ddp*``, ``accel_fsdp*``,
+``accel_zero*``) register the hook when they set up their process group (it acts at exit only on gloo),
+and so does the ``lightning-accel`` CLI; a program training with a stock strategy on gloo calls
 :func:`close_gloo_process_group_at_exit` itself.
 """
 

@@ -24,8 +24,16 @@ from lightning_accel._compat import FIT_LOOP_BATCH_PROGRESS
 from lightning_accel.checkpoint import atomic_save
 from lightning_accel.checkpoint.preemption import EPOCH_STATE_KEY
 from lightning_accel.checkpoint.rng import rng_for_rank, seeded_rng
-from lightning_accel.checkpoint.world_change import WORLD_KEY, WorldChange, apply_world_change, plan_world_change
+from lightning_accel.checkpoint.world_change import (
+    CONFIGURED_KEY,
+    WORLD_KEY,
+    WorldChange,
+    accumulation_to_keep,
+    apply_world_change,
+    plan_world_change,
+)
 from lightning_accel.data import ResumableSampler
+from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy
 from tests.conftest import tiny_trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,6 +187,14 @@ def test_a_two_rank_checkpoint_resumed_on_one_rank_doubles_the_accumulation_and_
         expected = whole.state_dict()
         assert all(torch.equal(t, expected[k]) for k, t in resumed.state_dict().items()), attempt
     assert whole_trainer.optimizers[0].param_groups[0]["lr"] == trainer.optimizers[0].param_groups[0]["lr"]
+    # preempted again and resumed on 1 rank with the same script (accumulate_grad_batches=1): the run's 2 is kept
+    again = find_resume_checkpoint(tmp_path / "again0" / "ck")
+    assert Path(again).name == "step=00000007.ckpt"
+    with caplog.at_level("INFO"):
+        trainer, resumed = fit(tmp_path / "once-more", loader(), 8, 1, ckpt_path=again)
+    assert "keeping accumulate_grad_batches=2" in caplog.text
+    assert trainer.accumulate_grad_batches == 2 and trainer.global_step == 8
+    assert all(torch.equal(t, expected[k]) for k, t in resumed.state_dict().items())
 
 
 def test_a_loader_that_saved_per_rank_positions_is_refused_naming_the_fix(tmp_path):
@@ -220,6 +236,12 @@ def test_the_global_batch_is_kept_where_it_divides_and_the_refusals_say_what_wou
     assert plan_world_change({"world_size": 2, "accumulate_grad_batches": 4}, trainer_like(8, 4)).accumulation == 1
     with pytest.raises(ValueError, match=r"12 per-rank batches a step; 8 rank\(s\).*Resume on \[1, 2, 3, 4, 6, 12\]"):
         plan_world_change({"world_size": 4, "accumulate_grad_batches": 3}, trainer_like(8, 3))
+    # a run that went 2 -> 1 (accumulation 2 -> 4) with a script that says 2 throughout: on 4 ranks 1, on 1 rank 4
+    went = {"world_size": 1, "accumulate_grad_batches": 4, CONFIGURED_KEY: 2}
+    assert plan_world_change(went, trainer_like(4, 2)) == WorldChange(1, 4, 4, 1)
+    assert plan_world_change(went, trainer_like(1, 2)) is None and accumulation_to_keep(went, trainer_like(1, 2)) == 4
+    assert accumulation_to_keep(went, trainer_like(1, 8)) is None  # the user chose 8 now: theirs
+    assert plan_world_change(went, trainer_like(4, 8)) == WorldChange(1, 4, 4, 8)
     # the user chose an accumulation for the new size: theirs holds, and a changed global batch is said
     mine = plan_world_change({"world_size": 4, "accumulate_grad_batches": 3}, trainer_like(8, 1))
     assert mine == WorldChange(4, 8, 3, 1) and not mine.keeps_global_batch
@@ -234,8 +256,11 @@ def test_the_global_batch_is_kept_where_it_divides_and_the_refusals_say_what_wou
     with pytest.raises(ValueError, match="stops 3 batch\\(es\\) into the epoch on each of 4 rank"):
         apply_world_change(mine, trainer_like(8, 1), ck)
     deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # the type is all that is read
-    with pytest.raises(ValueError, match=r"universal checkpoint.*Resume on 4 rank"):
+    with pytest.raises(ValueError, match=r"universal checkpoint.*'accel_zero2' or 'accel_zero3'.*resume on 4 rank"):
         apply_world_change(change, trainer_like(2, 3, strategy=deepspeed), ck)
+    ours = AccelDeepSpeedStrategy.__new__(AccelDeepSpeedStrategy)  # our presets' strategy follows (converts)
+    batch_progress(ck)["current"]["ready"] = 6
+    apply_world_change(change, trainer_like(2, 3, strategy=ours), ck)
 
 
 # -- on real ranks --------------------------------------------------------------------------------------------------
@@ -252,29 +277,26 @@ def trained_per_step(folder: Path, phases: list[str]) -> tuple[dict[int, list[li
     return {step: sorted(batches) for step, batches in sorted(steps.items())}, final
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("data", ["resumable", "dali"])
-def test_two_ranks_then_one_then_two_train_the_uninterrupted_runs_batches(tmp_path, data):
-    """Stopped on 2 gloo ranks inside an accumulation window, resumed on 1 (and stopped again in the next epoch),
-    then on 2 to the end: every optimizer step trains the same micro-batches as the uninterrupted 2-rank run
-    (compared as lists), steps, LR and epoch match, and the weights are within rtol 1e-4. For ResumableDataLoader
-    and for DALIImageDataModule over arrays (its source deals the same way)."""
-    script = ROOT / "tests/checkpoint/world_change_run.py"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_CHANGE_DATA": data}
+def launch(ranks: int, folder: Path, phase: str, *stop_at: str, **env: str) -> None:
+    """One attempt of tests/checkpoint/world_change_run.py on ``ranks`` gloo ranks under torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    cmd += [str(ROOT / "tests/checkpoint/world_change_run.py"), str(folder), phase, *stop_at]
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
 
-    def launch(ranks: int, folder: Path, phase: str, *stop_at: str) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(script)]
-        result = subprocess.run(
-            [*cmd, str(folder), phase, *stop_at], capture_output=True, text=True, env=env, timeout=300
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
 
-    whole, changing = tmp_path / "whole", tmp_path / "changing"
-    launch(2, whole, "whole")
-    launch(2, changing, "two", "2")  # saved at step 3
-    launch(1, changing, "one", "8")  # saved at step 9, in the second epoch
-    launch(2, changing, "two-again")
+def two_then_one_then_two(folder: Path, last: int = 2, **env: str) -> None:
+    """Stopped on 2 ranks inside an accumulation window (saved at step 3), resumed on 1 and stopped again in the
+    second epoch (saved at step 9), then on ``last`` ranks to the end."""
+    launch(2, folder, "two", "2", **env)
+    launch(1, folder, "one", "8", **env)
+    launch(last, folder, "two-again", **env)
+
+
+def assert_trains_the_uninterrupted_run(changing: Path, whole: Path) -> None:
+    """Every optimizer step trained the same micro-batches as the uninterrupted run (compared as lists); steps, LR
+    and epoch match; the weights are within rtol 1e-4."""
     expected, reference = trained_per_step(whole, ["whole"])
     got, final = trained_per_step(changing, ["two", "one", "two-again"])
     assert len(expected) == 12 and all(len(batches) == 4 for batches in expected.values())
@@ -284,6 +306,50 @@ def test_two_ranks_then_one_then_two_train_the_uninterrupted_runs_batches(tmp_pa
     assert (final["global_step"], final["lr"]) == (reference["global_step"], reference["lr"])
     for name, value in reference["params"].items():
         torch.testing.assert_close(torch.tensor(final["params"][name]), torch.tensor(value), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_zero2_zero3_and_fsdp2_go_from_two_ranks_to_one_and_on_training_the_uninterrupted_runs_batches(tmp_path):
+    """The 2 -> 1 -> 2 run under the accel_zero2 and accel_zero3 presets' settings on DeepSpeed's CPU engine
+    (Lightning's own DeepSpeed path, its CUDA check lifted: tests/strategies/cpu_deepspeed.py), and 2 -> 1 -> 4 under
+    FSDP2 saving torch DCP folders (the accumulation 2 -> 4 -> 1, the Trainer saying 2 throughout), all with
+    ResumableDataLoader and compared with one uninterrupted DDP run: their steps equal DDP's. Each DeepSpeed resume
+    on another size loads through DeepSpeed's universal checkpoint, converted inside the checkpoint folder. (DDP's
+    own 2 -> 1 -> 2 is the DALI test below and tests/launch/test_fleet.py.)"""
+    whole = tmp_path / "whole"
+    launch(2, whole, "whole")
+    for strategy in ("zero2", "zero3", "fsdp"):
+        changing = tmp_path / strategy
+        two_then_one_then_two(changing, last=4 if strategy == "fsdp" else 2, WORLD_CHANGE_STRATEGY=strategy)
+        assert_trains_the_uninterrupted_run(changing, whole)
+        converted = sorted(p.parent.name for p in (changing / "ck").glob("*/checkpoint_universal"))
+        assert converted == ([] if strategy == "fsdp" else ["step=00000003.ckpt", "step=00000009.ckpt"]), strategy
+    last = json.loads((tmp_path / "fsdp" / "two-again-rank3.json").read_text())
+    assert (last["world_size"], last["accumulate"]) == (4, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs; this machine has fewer")
+def test_the_accel_zero2_preset_on_gpus_goes_from_two_ranks_to_one_and_back(tmp_path):
+    """The same run with strategy="accel_zero2" as a user names it, on NCCL, against DDP on the same GPUs."""
+    whole, changing = tmp_path / "whole", tmp_path / "changing"
+    launch(2, whole, "whole", WORLD_CHANGE_ACCELERATOR="gpu")
+    two_then_one_then_two(changing, WORLD_CHANGE_STRATEGY="accel_zero2", WORLD_CHANGE_ACCELERATOR="gpu")
+    assert_trains_the_uninterrupted_run(changing, whole)
+    assert (changing / "ck" / "step=00000003.ckpt" / "checkpoint_universal").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dali_over_arrays_goes_from_two_ranks_to_one_and_back_training_the_uninterrupted_runs_batches(tmp_path):
+    """The 2 -> 1 -> 2 run under DDP, on DALIImageDataModule over arrays (its source deals one global order, as
+    ResumableSampler does), compared with its uninterrupted 2-rank run."""
+    whole, changing = tmp_path / "whole", tmp_path / "changing"
+    launch(2, whole, "whole", WORLD_CHANGE_DATA="dali")
+    two_then_one_then_two(changing, WORLD_CHANGE_DATA="dali")
+    assert_trains_the_uninterrupted_run(changing, whole)
 
 
 def test_each_kind_of_train_loader_follows_a_change_or_says_why_not(tmp_path):

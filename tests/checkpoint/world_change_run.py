@@ -2,9 +2,11 @@
 
 torchrun --nproc-per-node W tests/checkpoint/world_change_run.py OUT_DIR PHASE [STOP_AT_STEP]
 
-A model this test defines (BatchNorm between two linears, a per-step LR schedule), accumulate_grad_batches=2 at 2
-ranks, validation every epoch, ResumableDataLoader with shuffle; with WORLD_CHANGE_DATA=dali, DALIImageDataModule over
-arrays instead (DALI's CPU backend; the crop keeps the whole image and nothing flips, so the weights can be compared).
+A model this test defines (BatchNorm between two linears, AdamW, a per-step LR schedule), accumulate_grad_batches=2
+at 2 ranks, validation every epoch, ResumableDataLoader with shuffle; with WORLD_CHANGE_DATA=dali, DALIImageDataModule
+over arrays instead (DALI's CPU backend; the crop keeps the whole image and nothing flips, so the weights can be
+compared). DDP, or with WORLD_CHANGE_STRATEGY=zero2 / zero3 the accel_zero presets' settings on DeepSpeed's CPU engine,
+or a preset by name (WORLD_CHANGE_STRATEGY=accel_zero2 with WORLD_CHANGE_ACCELERATOR=gpu).
 Every rank appends what it trained to OUT_DIR/PHASE-rankR.json: for each micro-batch the global step it belongs to
 and its sample ids; rank 0 adds the final step, LR and parameters. With STOP_AT_STEP, rank 0 gets a SIGTERM at the
 batch after that step (inside an accumulation window); PreemptionCheckpoint saves at the next optimizer step and the
@@ -21,10 +23,17 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
+from lightning_accel import (
+    PreemptionCheckpoint,
+    ResumableDataLoader,
+    close_gloo_process_group_at_exit,
+    find_resume_checkpoint,
+)
 from lightning_accel.checkpoint import Preempted
+from lightning_accel.strategies import AccelFSDPStrategy
 from lightning_accel.testing import quiet_trainer_kwargs
 from tests.conftest import SigtermAt
 
@@ -47,7 +56,8 @@ class Indexed(Dataset):
 class Net(LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        # No bias before BatchNorm: its gradient is float noise, which Adam would scale up to full steps.
+        self.net = nn.Sequential(nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
         self.trained: list[tuple[int, list[int]]] = []
 
     def training_step(self, batch, batch_idx):
@@ -62,7 +72,7 @@ class Net(LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)  # Adam: what DeepSpeed's universal checkpoint carries
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
         return [opt], [{"scheduler": sched, "interval": "step"}]
 
@@ -78,7 +88,7 @@ class Images(Net):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net[0] = nn.Linear(3 * 2 * 2, 16)  # images of 2 x 2 after the crop
+        self.net[0] = nn.Linear(3 * 2 * 2, 16, bias=False)  # images of 2 x 2 after the crop
         self.register_buffer("targets", torch.randn(SAMPLES, 1, generator=torch.Generator().manual_seed(4)))
 
     def training_step(self, batch, batch_idx):
@@ -112,17 +122,48 @@ def dali_data():
     )
 
 
+ZERO = {"zero2": 2, "zero3": 3}.get(os.environ.get("WORLD_CHANGE_STRATEGY", ""))
+
+
+def strategy():
+    if os.environ.get("WORLD_CHANGE_STRATEGY", "").startswith("accel_"):  # a preset by name (on GPUs)
+        return os.environ["WORLD_CHANGE_STRATEGY"]
+    if os.environ.get("WORLD_CHANGE_STRATEGY") == "fsdp":  # FSDP2, its checkpoints torch DCP folders
+        return AccelFSDPStrategy(save_distributed_checkpoint=True)
+    if ZERO:
+        from tests.strategies.cpu_deepspeed import cpu_deepspeed
+
+        return cpu_deepspeed(ZERO, int(os.environ.get("WORLD_SIZE", "1")))
+    return "ddp"
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def whole_parameters(model: Net) -> dict[str, list]:
+    """The parameters as lists; under ZeRO-3 and FSDP2 each rank holds a slice, gathered here (on every rank: a
+    collective)."""
+    if ZERO != 3:
+        return {name: full_tensor(p.detach()).tolist() for name, p in model.named_parameters()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {name: p.detach().tolist() for name, p in model.named_parameters()}
+
+
 def main(out: Path, phase: str, stop_at: int | None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dali = os.environ.get("WORLD_CHANGE_DATA") == "dali"
+    close_gloo_process_group_at_exit()  # stock "ddp" on gloo, as a user would run it
     torch.manual_seed(0)
     model = Images() if dali else Net()
     callbacks = [PreemptionCheckpoint(out / "ck", keep_last=None), *([SigtermAt(stop_at)] if stop_at else [])]
     trainer = Trainer(
         **quiet_trainer_kwargs(
-            accelerator="cpu",
+            accelerator=os.environ.get("WORLD_CHANGE_ACCELERATOR", "cpu"),
             devices=world_size,
-            strategy="ddp",
+            strategy=strategy(),
             max_epochs=2,
             accumulate_grad_batches=ACCUMULATE_AT_2,  # as the user's script says; a resume at 1 rank doubles it
             default_root_dir=str(out),
@@ -138,12 +179,9 @@ def main(out: Path, phase: str, stop_at: int | None) -> None:
     except Preempted:
         pass
     record = {"world_size": world_size, "trained": model.trained, "accumulate": trainer.accumulate_grad_batches}
+    params = whole_parameters(model)
     if trainer.global_rank == 0:
-        record.update(
-            global_step=trainer.global_step,
-            lr=trainer.optimizers[0].param_groups[0]["lr"],
-            params={name: p.detach().tolist() for name, p in model.named_parameters()},
-        )
+        record.update(global_step=trainer.global_step, lr=trainer.optimizers[0].param_groups[0]["lr"], params=params)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{phase}-rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

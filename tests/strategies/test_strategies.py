@@ -167,6 +167,31 @@ def test_fsdp_block_detection():
         AccelFSDPStrategy(mixed_precision="fp16")
 
 
+def test_fsdp_shards_the_children_a_training_step_may_call_beside_the_blocks():
+    """A module whose training_step calls self.net(x) never runs the root's hooks: its direct children holding
+    parameters become units. Containers and children sharing a tied weight stay with the root."""
+    from lightning_accel.strategies.blocks import children_beside_blocks
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.Linear(8, 1))
+            self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight  # tied: one unit (the root's)
+            self.heads = nn.ModuleList([nn.Linear(4, 2), nn.Linear(4, 3)])  # a container: never a unit itself
+            self.loss = nn.MSELoss()  # no parameters
+
+    model = Model()
+    blocks = find_block_classes(model)
+    assert blocks == {nn.Linear}  # the ModuleList's children are Linears, so Linear is the block class here
+    assert children_beside_blocks(model, set()) == [model.net]
+    assert children_beside_blocks(model, blocks) == [model.net]  # BatchNorm's parameters are outside the Linears
+    gpt = TinyGPT(n_layers=2)
+    assert [type(c).__name__ for c in children_beside_blocks(gpt, {GPTBlock})] == [
+        type(c).__name__ for c in gpt.children() if not isinstance(c, nn.ModuleList) and list(c.parameters())
+    ]
+
+
 def run_two_ranks(tmp_path: Path, strategy: str, *extra: str) -> Path:
     out = tmp_path / (strategy + "".join(extra))
     out.mkdir()
@@ -245,8 +270,9 @@ def test_ddp_with_compile_callback_on_gloo(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_zero_configs_run_on_deepspeeds_cpu_engine():
-    """Lightning refuses DeepSpeed on CPU; DeepSpeed's own engine on its CPU accelerator does not."""
+def test_zero_configs_run_on_deepspeeds_cpu_engine_and_sgds_state_is_refused_a_universal_checkpoint():
+    """Lightning refuses DeepSpeed on CPU; DeepSpeed's own engine on its CPU accelerator does not. Its checkpoint of
+    SGD's state cannot become a universal checkpoint (Adam's moments only): said plainly, naming the fix."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests/strategies/deepspeed_cpu_engine.py")],
         capture_output=True,
@@ -260,6 +286,32 @@ def test_zero_configs_run_on_deepspeeds_cpu_engine():
     assert [r["stage"] for r in runs] == [2, 3]
     for r in runs:
         assert r["losses"][-1] < r["losses"][0]
+        named, tried = r["universal"]
+        assert "the optimizer is SGD. The universal checkpoint carries Adam-family state only" in named, named
+        assert "Resume on the number of ranks that saved it" in named and "Resume on the number" in tried
+        assert "checkpoint" in r["left"] and not [n for n in r["left"] if "universal" in n]  # nothing half-written
+
+
+def test_a_zero_folder_tells_how_many_ranks_wrote_it_and_a_finished_conversion_is_reused(tmp_path):
+    """The saved size is the number of optimizer partitions of model-parallel rank 0 (bf16 ones too); a folder
+    whose latest_universal names its conversion is not converted again."""
+    from lightning_accel.strategies.deepspeed_universal import saved_data_parallel_size, universal_checkpoint_for
+
+    assert saved_data_parallel_size(tmp_path) is None  # no "latest": not DeepSpeed's
+    (tmp_path / "latest").write_text("checkpoint")
+    shards = tmp_path / "checkpoint"
+    shards.mkdir()
+    assert saved_data_parallel_size(tmp_path) is None  # no optimizer state saved
+    for name in ("mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (shards / name).write_bytes(b"")
+    (shards / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (shards / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt").write_bytes(b"")  # tensor parallel: not a DP rank
+    assert saved_data_parallel_size(tmp_path) == 2
+    (tmp_path / "checkpoint_universal").mkdir()
+    (tmp_path / "latest_universal").write_text("checkpoint_universal\n")
+    assert universal_checkpoint_for(tmp_path) == tmp_path / "checkpoint_universal"  # reused: these shards are empty
+    with pytest.raises(RuntimeError, match="no DeepSpeed 'latest' file"):
+        universal_checkpoint_for(tmp_path / "checkpoint")
 
 
 @requires_cuda
