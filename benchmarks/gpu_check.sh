@@ -52,7 +52,7 @@ step() {  # step NAME SECONDS command...: each section is bounded and never stop
 
 # 1. fp32 eager vs bf16-mixed vs compiled on the tiny-GPT recipe's model (steps/s, MFU); fp8 (torchao
 #    Float8Training, tensorwise, over bf16) eager and compiled where the GPU has fp8 (H100/H200: it does)
-step precision_compile 135 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
+step precision_compile 105 $PY -m benchmarks.precision_compile --gpu --steps 60 --out "$RES"
 # 2. the GPU-only tests: precision detection, ZeRO-2 preset, DALI mixed decode (skips say why)
 step gpu_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_precision.py tests/monitor/test_utilization.py \
   "tests/monitor/test_goodput.py::test_gpu_kernels_are_charged_to_compute" \
@@ -89,5 +89,8 @@ step activation_checkpointing 25 $PY -m benchmarks.activation_checkpointing --gp
 #     flight recorder dumped (2-rank detection and stragglers are covered on CPU; one GPU cannot hold 2 NCCL ranks)
 step hang_sentinel 20 $PY -m pytest -q -p no:cacheprovider \
   "tests/monitor/test_sentinel.py::test_on_a_gpu_the_nccl_flight_recorder_is_dumped_beside_the_stacks"
+# 11. accel_zero2 with accumulation on one GPU steps as DDP does (the loss divided once, not twice)
+step zero_steps_as_ddp 30 $PY -m pytest -q -p no:cacheprovider \
+  "tests/checkpoint/test_world_change.py::test_the_accel_zero2_preset_on_one_gpu_steps_as_ddp_does_with_accumulation"
 pack
 echo "== gpu_check summary =="; cat "$RES/status.txt"

@@ -329,6 +329,18 @@ def test_zero2_zero3_and_fsdp2_go_from_two_ranks_to_one_and_on_training_the_unin
     assert (last["world_size"], last["accumulate"]) == (4, 1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+def test_the_accel_zero2_preset_on_one_gpu_steps_as_ddp_does_with_accumulation(tmp_path):
+    """On one GPU, accumulating 2: accel_zero2 (the loss divided once, not by Lightning and again by DeepSpeed)
+    trains the same micro-batches to the same weights as DDP."""
+    launch(1, tmp_path / "ddp", "whole", WORLD_CHANGE_ACCELERATOR="gpu")
+    launch(1, tmp_path / "zero2", "whole", WORLD_CHANGE_STRATEGY="accel_zero2", WORLD_CHANGE_ACCELERATOR="gpu")
+    ddp, zero2 = (json.loads((tmp_path / run / "whole-rank0.json").read_text()) for run in ("ddp", "zero2"))
+    assert zero2["trained"] == ddp["trained"] and zero2["global_step"] == ddp["global_step"] == 24
+    for name, value in ddp["params"].items():
+        torch.testing.assert_close(torch.tensor(zero2["params"][name]), torch.tensor(value), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs; this machine has fewer")
