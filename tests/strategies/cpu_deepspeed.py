@@ -12,11 +12,16 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported (Lightning imports it lazily)
 
+import deepspeed.ops
 import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero3_config
+
+# DeepSpeed's CPU collectives would JIT-compile a shared-memory all-reduce first (30-40 s on a fresh machine, and a
+# C++ compiler); gloo's serve a test. DeepSpeed keeps this table in its module for edits like this one.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 class CPUDeepSpeedStrategy(AccelDeepSpeedStrategy):

@@ -21,12 +21,14 @@ os.environ.update(
 )
 
 import deepspeed
+import deepspeed.ops
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_accel  # noqa: F401  (registers the presets)
 from lightning_accel.strategies.deepspeed_universal import universal_checkpoint_for
 
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as tests/strategies/cpu_deepspeed.py does
 torch.manual_seed(0)
 x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
 for preset in ("accel_zero2", "accel_zero3"):
