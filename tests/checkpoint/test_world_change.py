@@ -286,12 +286,12 @@ def launch(ranks: int, folder: Path, phase: str, *stop_at: str, **env: str) -> N
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-def two_then_one_then_two(folder: Path, last: int = 2, **env: str) -> None:
+def two_then_one_then(folder: Path, last: int = 2, **env: str) -> None:
     """Stopped on 2 ranks inside an accumulation window (saved at step 3), resumed on 1 and stopped again in the
     second epoch (saved at step 9), then on ``last`` ranks to the end."""
     launch(2, folder, "two", "2", **env)
     launch(1, folder, "one", "8", **env)
-    launch(last, folder, "two-again", **env)
+    launch(last, folder, "two-again", **env)  # (the phase keeps its name at 4 ranks)
 
 
 def assert_trains_the_uninterrupted_run(changing: Path, whole: Path) -> None:
@@ -321,7 +321,7 @@ def test_zero2_zero3_and_fsdp2_go_from_two_ranks_to_one_and_on_training_the_unin
     launch(2, whole, "whole")
     for strategy in ("zero2", "zero3", "fsdp"):
         changing = tmp_path / strategy
-        two_then_one_then_two(changing, last=4 if strategy == "fsdp" else 2, WORLD_CHANGE_STRATEGY=strategy)
+        two_then_one_then(changing, last=4 if strategy == "fsdp" else 2, WORLD_CHANGE_STRATEGY=strategy)
         assert_trains_the_uninterrupted_run(changing, whole)
         converted = sorted(p.parent.name for p in (changing / "ck").glob("*/checkpoint_universal"))
         assert converted == ([] if strategy == "fsdp" else ["step=00000003.ckpt", "step=00000009.ckpt"]), strategy
@@ -348,7 +348,7 @@ def test_the_accel_zero2_preset_on_gpus_goes_from_two_ranks_to_one_and_back(tmp_
     """The same run with strategy="accel_zero2" as a user names it, on NCCL, against DDP on the same GPUs."""
     whole, changing = tmp_path / "whole", tmp_path / "changing"
     launch(2, whole, "whole", WORLD_CHANGE_ACCELERATOR="gpu")
-    two_then_one_then_two(changing, WORLD_CHANGE_STRATEGY="accel_zero2", WORLD_CHANGE_ACCELERATOR="gpu")
+    two_then_one_then(changing, WORLD_CHANGE_STRATEGY="accel_zero2", WORLD_CHANGE_ACCELERATOR="gpu")
     assert_trains_the_uninterrupted_run(changing, whole)
     assert (changing / "ck" / "step=00000003.ckpt" / "checkpoint_universal").is_dir()
 
@@ -360,7 +360,7 @@ def test_dali_over_arrays_goes_from_two_ranks_to_one_and_back_training_the_unint
     ResumableSampler does), compared with its uninterrupted 2-rank run."""
     whole, changing = tmp_path / "whole", tmp_path / "changing"
     launch(2, whole, "whole", WORLD_CHANGE_DATA="dali")
-    two_then_one_then_two(changing, WORLD_CHANGE_DATA="dali")
+    two_then_one_then(changing, WORLD_CHANGE_DATA="dali")
     assert_trains_the_uninterrupted_run(changing, whole)
 
 
