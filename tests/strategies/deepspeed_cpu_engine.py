@@ -11,7 +11,6 @@ import os
 import tempfile
 from pathlib import Path
 
-os.environ["DS_ACCELERATOR"] = "cpu"  # must be set before deepspeed is imported
 os.environ.update(
     MASTER_ADDR="127.0.0.1",
     MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
@@ -20,15 +19,14 @@ os.environ.update(
     LOCAL_RANK="0",
 )
 
+import tests.strategies.cpu_deepspeed  # noqa: F401, I001  (first: DeepSpeed on its CPU accelerator, as the tests run it)
 import deepspeed
-import deepspeed.ops
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_accel  # noqa: F401  (registers the presets)
 from lightning_accel.strategies.deepspeed_universal import universal_checkpoint_for
 
-deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as tests/strategies/cpu_deepspeed.py does
 torch.manual_seed(0)
 x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
 for preset in ("accel_zero2", "accel_zero3"):

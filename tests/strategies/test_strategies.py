@@ -279,7 +279,7 @@ def test_zero_configs_run_on_deepspeeds_cpu_engine_and_sgds_state_is_refused_a_u
         text=True,
         cwd=ROOT,
         timeout=600,
-        env={**os.environ, "MASTER_PORT": "29541"},
+        env={**os.environ, "MASTER_PORT": "29541", "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
