@@ -35,3 +35,40 @@ class SigtermAt(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 behind a proxy the tests can cut (tests/helpers/s3_server.py); the standard AWS
+    variables point at the proxy for this process and every subprocess it starts."""
+    from tests.helpers.s3_server import MotoServer, Proxy, s3_env
+
+    server = MotoServer().start()
+    proxy = Proxy(server.port).start()
+    saved = {k: os.environ.get(k) for k in s3_env(proxy.url)}
+    os.environ.update(s3_env(proxy.url))
+    try:
+        yield proxy
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        proxy.stop()
+        server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, request, tmp_path, monkeypatch):
+    """A new bucket on the test server (its name from the test's), and a fresh local cache: an empty machine."""
+    import re
+
+    import fsspec
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{os.getpid()}"
+    fs = fsspec.filesystem("s3")
+    fs.mkdir(name)
+    monkeypatch.setenv("LIGHTNING_ACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    s3_server.restore()
+    return name

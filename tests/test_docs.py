@@ -36,9 +36,12 @@ def test_readme_links_resolve():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("guide", GUIDES, ids=lambda p: p.stem)
-def test_guide_examples_run(guide, tmp_path):
+def test_guide_examples_run(guide, tmp_path, request, monkeypatch):
     shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
     script = tmp_path / "example.py"
     script.write_text(python_blocks(guide))
+    if "s3://" in script.read_text():  # a guide with a bucket runs against the tests' S3 server on 127.0.0.1
+        request.getfixturevalue("s3_server")
+        monkeypatch.setenv("LIGHTNING_ACCEL_CACHE_DIR", str(tmp_path / "cache"))
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{guide.name}:\n{result.stderr[-3000:]}"

@@ -21,6 +21,7 @@ import torch
 import xxhash
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from lightning_accel.checkpoint.bucket_resume import fetch_from_bucket
 from lightning_accel.checkpoint.durable import (
     CHECKSUM,
     MANIFEST_FORMAT,
@@ -32,6 +33,7 @@ from lightning_accel.checkpoint.durable import (
     write_manifest,
 )
 from lightning_accel.checkpoint.verify import verify
+from lightning_accel.storage import check_storage_url, is_remote
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -156,6 +158,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: PathLike, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        if is_remote(path):  # a bucket URL: its local copy, downloaded once per node and verified against the store
+            check_storage_url(path, "ckpt_path")
+            path = fetch_from_bucket(str(path))
         if Path(path).is_file() and not (verdict := verify(path)):
             raise CorruptCheckpointError(
                 f"Checkpoint {path} is not usable: {verdict.reason}. Resume from an earlier checkpoint "

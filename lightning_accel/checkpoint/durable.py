@@ -65,13 +65,23 @@ def write_manifest(path: PathLike, manifest: dict[str, Any]) -> None:
     fsync_dir(path.parent)
 
 
+def parse_manifest(data: bytes) -> dict[str, Any] | None:
+    """A manifest's bytes as a JSON object, or ``None`` for anything else: undecodable bytes, text that is not JSON,
+    JSON that is not an object, or a value nested too deep to parse. One policy for every reader: not trusted."""
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
 def read_manifest(path: PathLike) -> dict[str, Any] | None:
     """The manifest beside ``path``, or ``None`` when it is missing or unreadable."""
     try:
-        manifest = json.loads(manifest_path(path).read_text())
-    except (OSError, ValueError):
+        data = manifest_path(path).read_bytes()
+    except OSError:
         return None
-    return manifest if isinstance(manifest, dict) else None
+    return parse_manifest(data)
 
 
 def file_digest(path: Path, kind: str = CHECKSUM) -> str:

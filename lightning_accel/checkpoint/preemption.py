@@ -17,11 +17,11 @@ from lightning_accel._compat import (
     is_last_batch,
     log_current_train_batch,
     run_due_validation,
-    set_handler_after_fit,
     validation_due_after_this_batch,
 )
 from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO, install_atomic_io
-from lightning_accel.checkpoint.durable import RUN_ID_KEY, TMP_MARKER
+from lightning_accel.checkpoint.destination import Destination
+from lightning_accel.checkpoint.durable import RUN_ID_KEY
 from lightning_accel.checkpoint.epoch_state import (
     EpochState,
     PendingResults,
@@ -38,7 +38,7 @@ from lightning_accel.checkpoint.retention import KeepLast
 from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng, rng_for_rank
 from lightning_accel.checkpoint.save_timing import SaveTimer
 from lightning_accel.checkpoint.sharded import seal_folder
-from lightning_accel.checkpoint.signals import StopSignals
+from lightning_accel.checkpoint.signals import EXIT_CODE_PREEMPTED, Preempted, StopSignals
 from lightning_accel.checkpoint.world_change import WORLD_KEY, WorldChange, follow_world_change, world_of
 from lightning_accel.ranks import gather_from_ranks
 
@@ -46,23 +46,6 @@ log = logging.getLogger(__name__)
 
 EPOCH_STATE_KEY = "lightning_accel_epoch_state"  # every rank's running epoch aggregates (epoch_state.py)
 VALIDATION_DUE_KEY = "lightning_accel_validation_due"  # validation was due right after the saved batch
-
-# EX_TEMPFAIL from sysexits.h: "temporary failure, try again". Schedulers and wrapper scripts can
-# tell a preempted run (requeue it) from a crash (1) or success (0).
-EXIT_CODE_PREEMPTED = 75
-
-
-class Preempted(SystemExit):
-    """Raised out of ``trainer.fit()`` right after a preemption checkpoint was written.
-
-    A ``SystemExit`` whose ``code`` is the exit code (75), so a script ends with that status and no
-    traceback; a notebook or a sweep catches it with ``except Preempted``. ``checkpoint`` is the file
-    written (``None`` when the signal came before any training step, so there was nothing new to save).
-    """
-
-    def __init__(self, code: int, checkpoint: Path | None) -> None:
-        super().__init__(code)
-        self.checkpoint = checkpoint
 
 
 class PreemptionCheckpoint(Callback):
@@ -84,8 +67,11 @@ class PreemptionCheckpoint(Callback):
     attached, validation does not advance the training RNG (its RNG state is saved before and restored
     after every validation run). See docs/checkpointing.md for what is and is not guaranteed.
 
+    ``dirpath`` may be a bucket URL (``s3://``, ``gs://``, ``az://``): checkpoints are staged locally and uploaded in
+    the background, manifest last (docs/checkpointing.md, "Checkpoints in a bucket"; :class:`Destination`).
+
     Args:
-        dirpath: Folder for the checkpoints (``find_resume_checkpoint(dirpath)`` resumes from it).
+        dirpath: Folder or bucket URL for the checkpoints (``find_resume_checkpoint(dirpath)`` resumes from it).
         signals: Signal names to handle. SIGUSR1 is left to Lightning's SLURM auto-requeue by default.
         every_n_steps: Also save every this many optimizer steps (``None``: off).
         every_n_seconds: Also save at the first step boundary this long after the last save.
@@ -113,7 +99,7 @@ class PreemptionCheckpoint(Callback):
         exit_code: int = EXIT_CODE_PREEMPTED,
         grace_period_s: float = 30.0,
     ) -> None:
-        self.dirpath = Path(dirpath)
+        self.destination = Destination(dirpath)  # a bad URL is refused here, before any training
         for name, value in (
             ("every_n_steps", every_n_steps),
             ("every_n_seconds", every_n_seconds),
@@ -130,7 +116,7 @@ class PreemptionCheckpoint(Callback):
         self.exit_on_preempt = exit_on_preempt
         self.exit_code = exit_code
         self.preempted = False
-        self.saved: list[Path] = []
+        self.saved: list[Path] = []  # written (to the local staging folder, with a bucket dirpath)
         self.run_id = ""
         self._last_save = time.monotonic()
         self._step_at_batch_start = 0
@@ -156,6 +142,19 @@ class PreemptionCheckpoint(Callback):
         return self.save_timer.grace_period_s
 
     @property
+    def dirpath(self) -> str | Path:  # the folder (a Path) or bucket URL (a str) as given
+        return self.destination.dirpath
+
+    @property
+    def local_dir(self) -> Path:  # where checkpoints are written here: dirpath, or a bucket URL's staging folder
+        return self.destination.local_dir
+
+    @property
+    def durable(self) -> list[str]:
+        """URLs of this fit's checkpoints confirmed in the store (bucket ``dirpath``; empty otherwise), oldest first."""
+        return self.destination.durable
+
+    @property
     def save_seconds(self) -> list[float]:
         """Each save, start to durable: the stall, plus the write when async."""
         return self.save_timer.seconds
@@ -177,21 +176,13 @@ class PreemptionCheckpoint(Callback):
         install_atomic_io(trainer.strategy, self.async_save)
         # Handlers in place before Lightning installs its own (a user's, an agent's): ours call them.
         self.stop_signals.remember_previous()
-        if trainer.is_global_zero and self.dirpath.is_dir():
-            for stale in self.dirpath.glob(f".*{TMP_MARKER}*"):  # left by a write that was killed
-                stale.unlink(missing_ok=True)
+        self.destination.check_writable(trainer, self.run_id, self.keep_last, self.grace_period_s)
 
     def _install_handlers(self, trainer: Trainer) -> None:
         # Lightning's own SIGTERM handler (installed right before the sanity check) makes the loop raise
         # SIGTERMException (exit code 0) at the next batch, inside an accumulation window, after a
         # validation pass: ours replaces it for the fit and calls the handlers that were there before.
-        if self.stop_signals.install():
-            # Lightning's teardown puts back the handlers it found when the fit started, before on_fit_end and the
-            # teardown hooks run: let it put back ours, so a signal then does not kill the process inside fit();
-            # our teardown hook (or on_exception) puts back the previous ones.
-            for sig in self.stop_signals.signals:
-                set_handler_after_fit(trainer, sig, self.stop_signals.handle)
-        else:
+        if not self.stop_signals.install_for_fit(trainer):
             rank_zero_warn(
                 "PreemptionCheckpoint: fit runs off the main thread, where Python cannot install signal "
                 "handlers; periodic saves work, saves on a signal do not"
@@ -227,12 +218,11 @@ class PreemptionCheckpoint(Callback):
             # Writes still in flight at the last saves were skipped by pruning; Lightning has flushed
             # them by now (strategy teardown runs before this hook), so count them now.
             self._prune(trainer.strategy.checkpoint_io)
+            self.destination.finish()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Also on Preempted: teardown hooks do not run after an exception, and Lightning's teardown follows this hook.
-        self.stop_signals.restore()
-        for sig in self.stop_signals.signals:
-            set_handler_after_fit(trainer, sig, self.stop_signals.previous(sig))
+        self.stop_signals.restore_after_fit(trainer)
         if isinstance(exception, Preempted):
             if isinstance(trainer.strategy.checkpoint_io, AsyncAtomicCheckpointIO):
                 trainer.strategy.checkpoint_io.wait()
@@ -241,6 +231,9 @@ class PreemptionCheckpoint(Callback):
                     self._prune(trainer.strategy.checkpoint_io)
             # No rank leaves before the checkpoint is complete: a restart must find the same newest file.
             trainer.strategy.barrier("PreemptionCheckpoint.preempted")
+            self.destination.close(cancel=True)  # what was to reach the store has (_stop waited, to the deadline)
+        elif trainer.is_global_zero:
+            self.destination.finish()  # the checkpoints written before the error still reach the store
 
     # -- RNG ----------------------------------------------------------------------------------------
     # Validation runs with the RNG state of the end of the batch before it, and hands that state back:
@@ -333,6 +326,11 @@ class PreemptionCheckpoint(Callback):
             return
         if checkpoint is not None:  # stopping after a training batch: its logged values reach the loggers first
             log_current_train_batch(trainer)
+        if self.destination.url is not None:  # rank 0 waits for the upload to the deadline; every rank names it
+            began = self.stop_signals.received_at or time.monotonic()
+            checkpoint = trainer.strategy.broadcast(
+                self.destination.upload_before_deadline(began, self.grace_period_s), src=0
+            )
         log.info(
             "preempted: %s, exiting with code %d",
             f"saved {checkpoint}" if checkpoint else "nothing to save",
@@ -341,8 +339,9 @@ class PreemptionCheckpoint(Callback):
         raise Preempted(self.exit_code, checkpoint)
 
     def save(self, trainer: Trainer) -> Path:
-        """Write ``step=NNNNNNNN.ckpt`` now (all ranks must call this), then prune old checkpoints."""
-        path = self.dirpath / f"step={trainer.global_step:08d}.ckpt"
+        """Write ``step=NNNNNNNN.ckpt`` now (all ranks must call this), then prune old checkpoints; with a bucket
+        ``dirpath``, queue it for upload (rank 0)."""
+        path = self.local_dir / f"step={trainer.global_step:08d}.ckpt"
         if self.saved and self.saved[-1] == path:
             return path  # already saved at this step (periodic save, then a signal)
         io = trainer.strategy.checkpoint_io
@@ -357,10 +356,12 @@ class PreemptionCheckpoint(Callback):
             self._validation_due = False  # ends with a barrier: every rank has written
         if trainer.is_global_zero and path.is_dir():  # a sharded folder (torch DCP, DeepSpeed): seal it
             seal_folder(path, {"global_step": trainer.global_step, "run_id": self.run_id})
-        if isinstance(io, AsyncAtomicCheckpointIO) and io.last_write is not None:
-            self.save_timer.wait_for(start, io.last_write)
+        write = io.last_write if isinstance(io, AsyncAtomicCheckpointIO) else None
+        if write is not None:
+            self.save_timer.wait_for(start, write)
         else:
             self.save_timer.record(time.monotonic() - start)
+        self.destination.published(path, trainer.global_step, write, time.monotonic() - start)
         self.saved.append(path)
         self._last_save = time.monotonic()
         if trainer.is_global_zero:
@@ -368,7 +369,8 @@ class PreemptionCheckpoint(Callback):
         return path
 
     def _prune(self, io: Any = None) -> None:
-        self.retention.prune(self.dirpath, self.run_id, io)
+        if self.destination.url is None:  # a bucket's retention is its publisher's, once each upload is confirmed
+            self.retention.prune(self.local_dir, self.run_id, io)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pending_results is not None:

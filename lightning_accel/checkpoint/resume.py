@@ -8,8 +8,10 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_accel.checkpoint.bucket_resume import find_in_bucket
 from lightning_accel.checkpoint.durable import TMP_MARKER, PathLike, read_manifest
 from lightning_accel.checkpoint.verify import verify
+from lightning_accel.storage import check_storage_url, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,14 @@ def find_resume_checkpoint(dirpath: PathLike, pattern: str = "*.ckpt") -> str | 
     Use as ``trainer.fit(model, ckpt_path=find_resume_checkpoint("checkpoints"))``. Invalid files are
     skipped with a warning naming the reason, never deleted; a file whose manifest is missing or
     unreadable is used when its zip container is intact, with a warning saying so.
+
+    ``dirpath`` may be a bucket URL (``s3://bucket/run1``, ``gs://``, ``az://``): the newest checkpoint whose manifest
+    and objects are complete in the store is downloaded once per node into the local cache and verified there, and
+    the local copy's path is returned (docs/checkpointing.md, "Checkpoints in a bucket").
     """
+    if is_remote(str(dirpath)):
+        check_storage_url(str(dirpath))
+        return find_in_bucket(str(dirpath), pattern)
     for path in list_checkpoints(dirpath, pattern):
         verdict = verify(path)
         if not verdict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+import zlib
 from pathlib import Path
 
 from lightning_accel.checkpoint.durable import CHECKSUM, PathLike, Verdict, file_digest, manifest_path, read_manifest
@@ -14,7 +15,8 @@ def _verify_zip(path: Path, why: str) -> Verdict:
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()
-    except (zipfile.BadZipFile, OSError) as err:
+    # a hostile file can make the zip reader fail in any of these ways: each is "not a usable checkpoint"
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError, zlib.error) as err:
         return Verdict(False, f"{why}; not a readable torch checkpoint ({err})", "zip")
     if bad:
         return Verdict(False, f"{why}; corrupt member {bad}", "zip")
@@ -31,13 +33,14 @@ def manifest_damage(path: Path) -> str | None:
     if not where.exists():
         return "no manifest"
     try:
-        text = where.read_text()
+        data = where.read_bytes()
     except OSError as err:
         return f"unreadable manifest ({err.strerror})"
-    try:
-        manifest = json.loads(text)
-    except ValueError:
-        return f"unreadable manifest (not JSON: {text[:40]!r})"
+    text = data.decode("utf-8", errors="replace")
+    try:  # the same policy as durable.parse_manifest, with the reason in words
+        manifest = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return f"unreadable manifest (not JSON: {data[:40]!r})"
     if not isinstance(manifest, dict):
         return f"unreadable manifest (a JSON {type(manifest).__name__}, not an object: {text[:40]!r})"
     if not isinstance(manifest.get("bytes"), int):

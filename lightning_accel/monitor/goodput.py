@@ -197,7 +197,9 @@ class GoodputMonitor(Callback):
         if self.run_dir is not None:
             return self.run_dir
         for callback in trainer.callbacks:  # only checkpoint writers: a TorchProfiler's dirpath holds traces
-            if isinstance(callback, (Checkpoint, PreemptionCheckpoint)) and getattr(callback, "dirpath", None):
+            if isinstance(callback, PreemptionCheckpoint):  # a bucket's run files are staged beside its checkpoints
+                return callback.local_dir
+            if isinstance(callback, Checkpoint) and getattr(callback, "dirpath", None):
                 return Path(callback.dirpath)  # type: ignore[union-attr]
         if trainer.loggers:
             return Path(trainer.log_dir or trainer.default_root_dir)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,10 +57,13 @@ def test_a_sealed_folder_is_verified_file_by_file_and_found_for_resume(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fsdp2_dcp_folders_resume_bitwise_on_two_ranks_and_resharded_from_two_to_one_to_two(tmp_path):
-    """accel_fsdp saving torch DCP folders: 10 steps, a fresh launch resumes at step 10 (mid-epoch) to 20,
-    and the weights equal a 20-step run's. The same folder resumed on one rank to step 15 (resharded), then on two
-    again to step 20, ends within rtol 1e-4 of that run."""
+def test_fsdp2_dcp_folders_in_a_bucket_resume_bitwise_on_two_ranks_and_resharded_from_two_to_one_to_two(
+    tmp_path, bucket
+):
+    """accel_fsdp saving torch DCP folders to a bucket (moto's S3 server on 127.0.0.1): 10 steps, then the bucket's
+    objects copied to a local folder resume there at step 10 (mid-epoch) to 20, bitwise equal to a 20-step run.
+    From the bucket itself, one rank resumes the two-rank folder to step 15 (resharded), and two ranks resume that
+    to step 20, within rtol 1e-4 of the 20-step run."""
 
     def launch(out: Path, *extra: str, devices: int = 2) -> Path:
         out.mkdir()
@@ -70,22 +73,28 @@ def test_fsdp2_dcp_folders_resume_bitwise_on_two_ranks_and_resharded_from_two_to
         assert proc.returncode == 0, proc.stderr[-4000:]
         return out
 
-    ckpts = tmp_path / "ckpt"
+    url = f"s3://{bucket}/fsdp"
+    fs = fsspec.filesystem("s3")
     full = launch(tmp_path / "full", "--max-steps", "20")
-    launch(tmp_path / "first", "--max-steps", "10", "--sharded-checkpoints", str(ckpts))
-    folders = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
-    assert folders == ["step=00000005.ckpt", "step=00000010.ckpt"]
-    manifest = json.loads(manifest_path(ckpts / folders[-1]).read_text())
+    launch(tmp_path / "first", "--max-steps", "10", "--sharded-checkpoints", url)
+    manifest = json.loads(fs.cat_file(f"{bucket}/fsdp/step=00000010.ckpt.manifest.json"))
     assert manifest["global_step"] == 10 and manifest["kind"] == "folder"
     assert {".metadata", "meta.pt"} <= set(manifest["files"])  # DCP's index, Lightning's loop/callback state
+    for rel, entry in manifest["files"].items():  # every file of the folder is in the store, with its size
+        assert fs.info(f"{bucket}/fsdp/step=00000010.ckpt/{rel}")["size"] == entry["bytes"], rel
+    ckpts = tmp_path / "ckpt"  # the bucket's objects as a local folder: what was uploaded is a whole checkpoint
+    for key in fs.find(f"{bucket}/fsdp"):
+        local = ckpts / key.split("/fsdp/", 1)[1]
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(key, str(local))
+    folders = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
+    assert folders == ["step=00000005.ckpt", "step=00000010.ckpt"]
     assert find_resume_checkpoint(ckpts) == str(ckpts / "step=00000010.ckpt")
-    # the node holding rank 1 is gone: one rank reads both ranks' shards back (DCP reshards) and accumulates 2 to
-    # step 15; then a node joins and two ranks reshard the one-rank folder back and go on to step 20
-    elastic = tmp_path / "ckpt_elastic"
-    shutil.copytree(ckpts, elastic)
-    launch(tmp_path / "one", "--max-steps", "15", "--sharded-checkpoints", str(elastic), "--resume", devices=1)
-    assert find_resume_checkpoint(elastic) == str(elastic / "step=00000015.ckpt")
-    two = launch(tmp_path / "two", "--max-steps", "20", "--sharded-checkpoints", str(elastic), "--resume")
+    # the node holding rank 1 is gone: one rank reads both ranks' shards back from the bucket (DCP reshards) and
+    # accumulates 2 to step 15; then a node joins and two ranks reshard the one-rank folder back and go on to step 20
+    launch(tmp_path / "one", "--max-steps", "15", "--sharded-checkpoints", url, "--resume", devices=1)
+    assert find_resume_checkpoint(url).endswith("step=00000015.ckpt")
+    two = launch(tmp_path / "two", "--max-steps", "20", "--sharded-checkpoints", url, "--resume")
     expected = torch.load(full / "weights_rank0.pt")
     for name, got in torch.load(two / "weights_rank0.pt").items():
         if name.endswith("qkv.bias"):  # the key bias cancels in softmax: AdamW turns its zero gradient's rounding

@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--fp8", action="store_true", help="Float8Training in torchao's emulation (fp8 all-gather on FSDP2)")
     p.add_argument("--activation-checkpointing", action="store_true", help="fp32 FSDP2 with activation checkpointing")
-    p.add_argument("--sharded-checkpoints", help="fp32 FSDP2 saving torch DCP folders here (PreemptionCheckpoint)")
+    p.add_argument("--sharded-checkpoints", help="fp32 FSDP2 saving torch DCP folders to this folder or bucket URL")
     p.add_argument("--resume", action="store_true", help="resume from the newest valid folder there")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -68,7 +68,7 @@ def main() -> None:
     ckpt_path = None
     if args.sharded_checkpoints:
         strategy = AccelFSDPStrategy(save_distributed_checkpoint=True)
-        folder = Path(args.sharded_checkpoints)
+        folder = args.sharded_checkpoints  # a local folder or a bucket URL
         callbacks = [record, PreemptionCheckpoint(folder, every_n_steps=5, keep_last=2)]
         ckpt_path = find_resume_checkpoint(folder) if args.resume else None
     trainer = Trainer(

@@ -1,0 +1,251 @@
+"""Checkpoints in a bucket: against moto's real S3 API server on 127.0.0.1 (tests/helpers/s3_server.py).
+
+What a spot fleet relies on: SIGTERM gives exit 75 only with the checkpoint in the store; an empty machine resumes
+from the bucket bitwise; kill -9 during an upload resumes from the newest complete checkpoint; an outage loses
+nothing; retention deletes in the bucket; bad URLs and unreachable stores are refused before any training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.checkpoint import bucket as bucket_module
+from lightning_accel.checkpoint.durable import MANIFEST_SUFFIX
+from lightning_accel.storage import StoreError, UnsupportedStorageError
+from tests.checkpoint.train_bucket import BucketNet, loaders
+from tests.conftest import tiny_trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests/checkpoint/train_bucket.py"
+
+
+def direct(proxy) -> fsspec.AbstractFileSystem:
+    """The test's own client of the server, past the proxy: it sees the bucket while the run's connections are cut."""
+    return fsspec.filesystem("s3", endpoint_url=proxy.target_url)
+
+
+def objects(bucket: str, prefix: str = "run", proxy=None) -> list[str]:
+    fs = direct(proxy) if proxy is not None else fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    try:
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/{prefix}", detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def start(url: str, out: Path, cwd: Path, cache: Path, *extra: str) -> subprocess.Popen:
+    """The training script in its own working folder and node cache: a machine of its own."""
+    env = {**os.environ, "LIGHTNING_ACCEL_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--url", url, "--out", str(out), *extra],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def wait_until(check, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended ({proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"not reached in {timeout} s: {what}")
+
+
+def step_of(progress: Path) -> int:
+    text = progress.read_text().strip() if progress.exists() else ""
+    return int(text) if text else -1
+
+
+def assert_bitwise(a: Path, b: Path) -> None:
+    wa, wb = torch.load(a), torch.load(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"{key} differs"
+
+
+@pytest.mark.multiprocess
+def test_sigterm_exits_75_with_the_checkpoint_in_the_bucket_and_empty_machines_resume_bitwise(
+    bucket, s3_server, tmp_path
+):
+    """One run through a spot fleet's life, each attempt on an empty machine (its own working folder and cache):
+    SIGTERM -> exit 75 with the checkpoint in the bucket; a resume killed with -9 while its upload hangs -> the next
+    resumes from the newest complete checkpoint; the run ends bitwise equal to an uninterrupted one."""
+    url = f"s3://{bucket}/run"
+    reference = start(f"s3://{bucket}/reference", tmp_path / "ref.pt", tmp_path / "m0", tmp_path / "c0")
+    code, out = finish(reference)
+    assert code == 0, out[-3000:]
+
+    progress = tmp_path / "progress"
+    slow = ("--progress", str(progress), "--step-delay", "0.1")
+    first = start(url, tmp_path / "a.pt", tmp_path / "m1", tmp_path / "c1", *slow)
+    wait_until(lambda: step_of(progress) >= 6, first, "step 6")
+    first.send_signal(signal.SIGTERM)
+    code, out = finish(first)
+    assert code == 75, out[-3000:]
+    names = objects(bucket)
+    saved = [n for n in names if n.endswith(".ckpt")]
+    assert saved and all(n + MANIFEST_SUFFIX in names for n in saved), names  # every checkpoint with its manifest
+    newest = max(saved)
+    assert f"preempted: saved {url}/{newest}" in out, out[-2000:]  # exit 75 names the checkpoint in the store
+    assert not (tmp_path / "m1" / "s3:").exists()  # nothing written to a local folder named after the URL
+
+    # an empty machine resumes; its periodic upload hangs (the proxy takes the connection, answers nothing), and
+    # the machine is killed with -9 while that upload is in flight
+    progress.unlink()
+    second = start(url, tmp_path / "b.pt", tmp_path / "m2", tmp_path / "c2", "--resume", *slow)
+    second_start = int(newest.split("=")[1].split(".")[0])
+    wait_until(lambda: step_of(progress) > second_start, second, "the first resumed step")
+    s3_server.stall()
+    wait_until(lambda: step_of(progress) >= second_start + 9, second, "two periodic saves past the stall")
+    staged = sorted((tmp_path / "c2").rglob("step=*.ckpt"))
+    assert staged and staged[-1].name not in objects(bucket, proxy=s3_server)  # written locally, not in the store
+    second.kill()
+    second.wait()
+    s3_server.restore()
+    complete = max(n for n in objects(bucket) if n.endswith(".ckpt") and n + MANIFEST_SUFFIX in objects(bucket))
+
+    third = start(url, tmp_path / "c.pt", tmp_path / "m3", tmp_path / "c3", "--resume")
+    code, out = finish(third)
+    assert code == 0, out[-3000:]
+    assert f"resuming from {tmp_path / 'c3'}" in out and complete in out.split("resuming from")[1].splitlines()[0]
+    assert_bitwise(tmp_path / "c.pt", tmp_path / "ref.pt")
+    # keep_last=2 in the bucket: the run's last two, each with its manifest
+    assert [n for n in objects(bucket) if n.endswith(".ckpt")] == ["step=00000024.ckpt", "step=00000028.ckpt"]
+
+
+class OutageAt(Callback):
+    """Refuses connections to the store from the start of step ``cut`` until step ``back``."""
+
+    def __init__(self, proxy, cut: int, back: int) -> None:
+        self.proxy, self.cut, self.back = proxy, cut, back
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.cut and self.proxy.mode == "forward":
+            self.proxy.refuse()
+        if trainer.global_step == self.back and self.proxy.mode != "forward":
+            self.proxy.restore()
+
+
+def fit(url: str, tmp_path: Path, *callbacks: Callback, max_steps: int = 12, **ckpt_kwargs) -> PreemptionCheckpoint:
+    torch.manual_seed(0)
+    ckpt = PreemptionCheckpoint(url, **{"every_n_steps": 2, "keep_last": 2, **ckpt_kwargs})
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=max_steps, callbacks=[ckpt, *callbacks]))
+    train, _ = loaders()
+    trainer.fit(BucketNet(), train_dataloaders=train)
+    return ckpt
+
+
+def test_an_outage_mid_run_loses_nothing_and_is_logged_once(bucket, s3_server, tmp_path, caplog, monkeypatch):
+    """The proxy refuses connections for steps 3-8: training goes on, the store is named once when it stops
+    answering and once when it answers again, every checkpoint reported is in the store, and the fit's last
+    checkpoint reaches the bucket before fit() returns."""
+    monkeypatch.setattr(bucket_module, "RETRY_BACKOFF_S", (0.05, 0.4))
+    url = f"s3://{bucket}/run"
+    with caplog.at_level(logging.WARNING, logger="lightning_accel"):
+        ckpt = fit(url, tmp_path, OutageAt(s3_server, 3, 8), keep_last=None)
+    warnings = [r.getMessage() for r in caplog.records if "object store" in r.getMessage()]
+    assert len([w for w in warnings if "did not answer" in w]) == 1, warnings
+    assert len([w for w in warnings if "answers again" in w]) == 1, warnings
+    names = objects(bucket)
+    assert all(u.rsplit("/", 1)[-1] in names for u in ckpt.durable)  # nothing reported that is not in the store
+    assert ckpt.durable[-1] == f"{url}/step=00000012.ckpt"  # the last checkpoint made it
+    assert "step=00000012.ckpt" + MANIFEST_SUFFIX in names
+    assert find_resume_checkpoint(url).endswith("step=00000012.ckpt")
+
+
+def test_retention_deletes_in_the_bucket_and_never_another_runs_checkpoints(bucket, s3_server, tmp_path):
+    url = f"s3://{bucket}/run"
+    fs = fsspec.filesystem("s3")
+    foreign = f"{bucket}/run/step=00000003.ckpt"  # another run's checkpoint in the same folder
+    fs.pipe_file(foreign, b"x" * 10)
+    fs.pipe_file(foreign + MANIFEST_SUFFIX, json.dumps({"run_id": "someone-else", "global_step": 3}).encode())
+    ckpt = fit(url, tmp_path, max_steps=10)
+    names = objects(bucket)
+    ours = [n for n in names if n.endswith(".ckpt") and n != "step=00000003.ckpt"]
+    assert ours == ["step=00000008.ckpt", "step=00000010.ckpt"], names
+    assert "step=00000003.ckpt" in names and "step=00000003.ckpt" + MANIFEST_SUFFIX in names
+    assert [u.rsplit("/", 1)[-1] for u in ckpt.durable] == [f"step={s:08d}.ckpt" for s in (2, 4, 6, 8, 10)]
+    # the local staging folder keeps only the newest
+    assert [p.name for p in ckpt.local_dir.glob("step=*.ckpt")] == ["step=00000010.ckpt"]
+
+
+def test_bad_urls_and_unreachable_stores_are_refused_before_any_training(bucket, s3_server, tmp_path, monkeypatch):
+    with pytest.raises(UnsupportedStorageError, match=r"foo://.*no storage backend.*s3://, gs:// or az://"):
+        PreemptionCheckpoint("foo://bucket/run")
+    with pytest.raises(UnsupportedStorageError, match=r"oci:// backend is not installed. Fix: install"):
+        PreemptionCheckpoint("oci://bucket@namespace/run")
+    steps = []
+
+    class Count(Callback):
+        def on_train_batch_start(self, *args):
+            steps.append(1)
+
+    with pytest.raises(StoreError, match=r"cannot write to s3://no-such-bucket-here/run.*bucket exists"):
+        fit("s3://no-such-bucket-here/run", tmp_path, Count())
+    monkeypatch.setattr(bucket_module, "PROBE_TIMEOUT_S", 2.0)
+    with s3_server.refused(), pytest.raises(StoreError, match=rf"cannot write to s3://{bucket}/run.*AWS_ENDPOINT_URL"):
+        fit(f"s3://{bucket}/run", tmp_path, Count())
+    assert steps == []  # refused at fit start: no step trained, nothing to lose
+    assert not list(Path.cwd().glob("s3:*")) and not list(tmp_path.glob("s3:*"))
+
+
+def test_a_recipe_with_a_bucket_dirpath_resumes_through_ckpt_path_auto(bucket, s3_server, tmp_path, caplog):
+    """``lightning-accel fit --config recipe.yaml --ckpt_path auto`` where the recipe's PreemptionCheckpoint names
+    an s3:// dirpath: the second command resumes from the bucket's newest checkpoint (in this process: the CLI's
+    own code path, without a subprocess's start-up)."""
+    from lightning_accel.recipe import build_cli
+
+    url = f"s3://{bucket}/cli"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"""
+seed_everything: 3
+trainer:
+  accelerator: cpu
+  devices: 1
+  logger: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  limit_val_batches: 0
+  default_root_dir: {tmp_path}
+  callbacks:
+    - class_path: lightning_accel.PreemptionCheckpoint
+      init_args: {{dirpath: "{url}", every_n_steps: 3}}
+model: {{class_path: tests.checkpoint.train_bucket.BucketNet}}
+data: {{class_path: tests.checkpoint.train_bucket.BucketData}}
+"""
+    )
+    first = build_cli(["fit", "--config", str(recipe), "--trainer.max_steps", "6", "--ckpt_path", "auto"])
+    assert first.trainer.global_step == 6
+    assert [n for n in objects(bucket, "cli") if n.endswith(".ckpt")] == ["step=00000003.ckpt", "step=00000006.ckpt"]
+    with caplog.at_level(logging.INFO, logger="lightning_accel"):
+        second = build_cli(["fit", "--config", str(recipe), "--trainer.max_steps", "9", "--ckpt_path", "auto"])
+    resumed = [r.getMessage() for r in caplog.records if "ckpt_path=auto" in r.getMessage()]
+    assert len(resumed) == 1 and resumed[0].endswith("step=00000006.ckpt"), resumed
+    assert second.trainer.global_step == 9
+    assert "step=00000009.ckpt" + MANIFEST_SUFFIX in objects(bucket, "cli")
