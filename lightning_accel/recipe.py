@@ -7,6 +7,7 @@ Everything that builds a run from a recipe imports this module: the ``lightning-
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
@@ -16,7 +17,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel._compat import RICH_AVAILABLE, PrecisionInput, StepsProgressBar
-from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint, verify
 from lightning_accel.precision import auto_precision
 from lightning_accel.strategies import check_strategy_name, init_restart_safe_process_group
 from lightning_accel.strategies.elastic import nodes_in_this_round
@@ -57,7 +58,20 @@ class AccelTrainer(Trainer):
 
 
 class AccelCLI(LightningCLI):
-    """LightningCLI whose ``fit --ckpt_path auto`` resumes from the newest valid checkpoint."""
+    """LightningCLI whose ``fit --ckpt_path auto`` resumes from the newest valid checkpoint, and which verifies an
+    explicit ``--ckpt_path`` before anything unpickles it."""
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI reads a ckpt_path's hyperparameters (torch.load) right after parsing: a corrupt file would
+        # fail deep inside torch, with advice to unpickle it with weights_only=False. Ours checks it first.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and ckpt_path != "auto" and Path(ckpt_path).is_file() and not (verdict := verify(ckpt_path)):
+            parser.error(
+                f"--ckpt_path {ckpt_path} is not a usable checkpoint: {verdict.reason}. Use an earlier checkpoint, or "
+                "--ckpt_path auto to resume from the newest valid one in the PreemptionCheckpoint folder"
+            )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         try:

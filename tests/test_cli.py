@@ -179,3 +179,22 @@ def test_a_step_bounded_recipe_shows_steps_not_epoch_minus_two(tmp_path):
     assert bar._get_train_description(0).strip() == "Epoch 0"
     assert bar.get_metrics(trainer, None)["step"] == "0/5"
     assert AccelTrainer(accelerator="cpu", enable_progress_bar=False).progress_bar_callback is None
+
+
+def test_a_corrupt_explicit_ckpt_path_is_one_line_before_anything_unpickles_it(tmp_path, capsys):
+    """A garbage file and a truncated checkpoint as ``--ckpt_path``: one clear error from our verifier, before
+    LightningCLI's own torch.load (which said to retry with weights_only=False, or gave a bare OSError)."""
+    from lightning_accel.checkpoint import atomic_save
+
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"\x00not a checkpoint" * 64)
+    truncated = tmp_path / "step=00000004.ckpt"
+    atomic_save({"global_step": 4, "w": torch.zeros(1000)}, truncated, {"global_step": 4})
+    truncated.write_bytes(truncated.read_bytes()[:-300])
+    for path, reason in ((garbage, "not a readable torch checkpoint"), (truncated, "truncated")):
+        with pytest.raises(SystemExit) as exit_info:
+            build_cli(["fit", "--config", str(ROOT / "recipes/mlp_cpu.yaml"), "--ckpt_path", str(path)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code != 0
+        assert f"--ckpt_path {path} is not a usable checkpoint" in err and reason in err, err[-800:]
+        assert "weights_only" not in err and "Traceback" not in err

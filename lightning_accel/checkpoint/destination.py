@@ -63,7 +63,7 @@ class Destination:
                     store_error = str(err)
         local_error, store_error = trainer.strategy.broadcast((local_error, store_error), src=0)
         if local_error is not None:
-            raise PermissionError(local_error)
+            raise OSError(local_error)
         if store_error is not None:
             self.close(cancel=True)
             raise StoreError(store_error)

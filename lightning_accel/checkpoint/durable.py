@@ -17,6 +17,8 @@ from typing import IO, Any
 
 import xxhash
 
+from lightning_accel.storage import parse_json_object
+
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = 2  # 2: xxh3_64 checksum; 1: sha256
 CHECKSUM = "xxh3_64"
@@ -66,13 +68,8 @@ def write_manifest(path: PathLike, manifest: dict[str, Any]) -> None:
 
 
 def parse_manifest(data: bytes) -> dict[str, Any] | None:
-    """A manifest's bytes as a JSON object, or ``None`` for anything else: undecodable bytes, text that is not JSON,
-    JSON that is not an object, or a value nested too deep to parse. One policy for every reader: not trusted."""
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return None
-    return manifest if isinstance(manifest, dict) else None
+    """A manifest's bytes as a JSON object, or ``None`` (not trusted: ``storage.trust``'s one policy)."""
+    return parse_json_object(data)
 
 
 def read_manifest(path: PathLike) -> dict[str, Any] | None:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import zipfile
 import zlib
 from pathlib import Path
 
-from lightning_accel.checkpoint.durable import CHECKSUM, PathLike, Verdict, file_digest, manifest_path, read_manifest
+from lightning_accel.checkpoint.durable import (
+    CHECKSUM,
+    PathLike,
+    Verdict,
+    file_digest,
+    manifest_path,
+    parse_manifest,
+    read_manifest,
+)
 from lightning_accel.checkpoint.sharded import verify_folder
 
 
@@ -37,12 +44,9 @@ def manifest_damage(path: Path) -> str | None:
     except OSError as err:
         return f"unreadable manifest ({err.strerror})"
     text = data.decode("utf-8", errors="replace")
-    try:  # the same policy as durable.parse_manifest, with the reason in words
-        manifest = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError):
-        return f"unreadable manifest (not JSON: {data[:40]!r})"
-    if not isinstance(manifest, dict):
-        return f"unreadable manifest (a JSON {type(manifest).__name__}, not an object: {text[:40]!r})"
+    manifest = parse_manifest(data)
+    if manifest is None:
+        return f"unreadable manifest (not a JSON object: {data[:40]!r})"
     if not isinstance(manifest.get("bytes"), int):
         return f"unreadable manifest (no size recorded: {text[:60]!r})"
     if not any(isinstance(manifest.get(kind), str) for kind in (CHECKSUM, "sha256")):

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
 
 from lightning.pytorch import Trainer
+
+from lightning_accel.storage import parse_json_object
 
 log = logging.getLogger(__name__)
 
@@ -24,20 +27,24 @@ def read_highest_step(run_dir: str | Path) -> int | None:
     """The step recorded in ``run_dir``, or ``None`` when there is none (or it is unreadable, with a warning)."""
     path = Path(run_dir) / PROGRESS_FILE
     try:
-        return int(json.loads(path.read_text())["highest_step"])
+        step = (parse_json_object(path.read_bytes()) or {}).get("highest_step")
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        log.warning("Ignoring unreadable %s (%s): lost work of the previous attempt is not counted", path, err)
+    except OSError as err:
+        step = err
+    if type(step) is not int:  # not trusted (storage.trust): unreadable, torn or hostile
+        log.warning("Ignoring unreadable %s (%r): lost work of the previous attempt is not counted", path, step)
         return None
+    return step
 
 
 def last_progress_time(run_dir: str | Path) -> float | None:
     """When the step in ``run_dir`` was recorded (wall clock; ``None`` when unknown)."""
     try:
-        return float(json.loads((Path(run_dir) / PROGRESS_FILE).read_text())["at"])
-    except (OSError, ValueError, KeyError, TypeError):
+        at = (parse_json_object((Path(run_dir) / PROGRESS_FILE).read_bytes()) or {}).get("at")
+    except OSError:
         return None
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at) else None
 
 
 def write_highest_step(run_dir: str | Path, step: int) -> None:

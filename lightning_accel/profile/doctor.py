@@ -25,6 +25,7 @@ from lightning_accel.monitor.summary import format_value
 from lightning_accel.profile.gpu_trace import hta_breakdown
 from lightning_accel.profile.rules import INPUT_SHARE, RULES, Finding, RunFacts, compute_verdict
 from lightning_accel.profile.torch_profiler import SUMMARY_FILE
+from lightning_accel.storage import parse_json_object
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,17 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None
             "(or `lightning-accel profile --config ...`), then run the doctor on that folder"
         )
     summary_path = next((p for p in (run_dir / SUMMARY_FILE, *run_dir.rglob(SUMMARY_FILE)) if p.is_file()), None)
-    summary = json.loads(summary_path.read_text()) if summary_path else None
+    summary = _read_run_file(summary_path) if summary_path else None
     if summary is not None and summary.get("device") == "cuda" and "hta" not in summary:
         summary["hta"] = hta_breakdown(summary_path.parent)  # type: ignore[union-attr]
-    return json.loads(results.read_text()), summary
+    return _read_run_file(results), summary
+
+
+def _read_run_file(path: Path) -> dict[str, Any]:
+    value = parse_json_object(path.read_bytes())
+    if value is None:  # torn or edited: one clear line, not a parser's traceback
+        raise ValueError(f"{path} is not a JSON object (a torn write, or edited): train again to write a new one")
+    return value
 
 
 def report(findings: list[Finding], goodput: dict[str, Any], profile: dict[str, Any] | None, run_dir: Path) -> Path:

@@ -15,6 +15,7 @@ from lightning_accel.storage.transfer import (
     retrying,
     upload,
 )
+from lightning_accel.storage.trust import parse_json_object
 from lightning_accel.storage.urls import (
     CLOUD_EXTRA,
     UnsupportedStorageError,
@@ -42,6 +43,7 @@ __all__ = [
     "filesystem",
     "is_remote",
     "join",
+    "parse_json_object",
     "redact",
     "retrying",
     "staging_dir",

@@ -10,8 +10,10 @@ pytorch/pytorch#190489). This ``atexit`` hook closes it while the interpreter is
 group with its threads lives on while anything still references it, such as an object caught in a
 reference cycle (trainers, strategies and modules point at each other), which only the garbage
 collector frees. So the hook collects too, which joins gloo's threads now rather than during
-shutdown. FSDP2 is the exception: DTensor's sharding caches keep its device mesh, and so the group,
-alive, and no public API clears them.
+shutdown. DeepSpeed keeps its own references to the group (``deepspeed.utils.groups``): where
+DeepSpeed ran, its public ``deepspeed.comm.destroy_process_group`` releases them. FSDP2 is the
+exception: DTensor's sharding caches keep its device mesh, and so the group, alive, and no public
+API clears them.
 
 Nothing is registered on ``import lightning_accel``. Our strategies (``accel_ddp*``, ``accel_fsdp*``,
 ``accel_zero*``) register the hook when they set up their process group (it acts at exit only on gloo),
@@ -24,6 +26,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import sys
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
@@ -41,7 +44,13 @@ def close_gloo_process_group() -> bool:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         return False
-    dist.destroy_process_group()
+    deepspeed_comm = sys.modules.get("deepspeed.comm")  # only if DeepSpeed ran: never imported here for this
+    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+        # DeepSpeed's own teardown: it destroys the group and drops the references its groups module keeps (data
+        # and ZeRO parameter groups, the world group), which otherwise hold the C++ group past this hook
+        deepspeed_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
     gc.collect()  # frees the cycles still holding the C++ group, so its threads are joined now
     log.debug("closed the gloo process group before interpreter exit")
     return True

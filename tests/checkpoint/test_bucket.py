@@ -249,3 +249,19 @@ data: {{class_path: tests.checkpoint.train_bucket.BucketData}}
     assert len(resumed) == 1 and resumed[0].endswith("step=00000006.ckpt"), resumed
     assert second.trainer.global_step == 9
     assert "step=00000009.ckpt" + MANIFEST_SUFFIX in objects(bucket, "cli")
+
+
+def test_a_folder_that_cannot_be_written_is_refused_at_fit_start(tmp_path):
+    """A checkpoint folder that cannot be created (here under a file; a read-only mount fails the same way) is one
+    line at fit start naming it and the fix, not a traceback at the first save after training for a while."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    steps = []
+
+    class Count(Callback):
+        def on_train_batch_start(self, *args):
+            steps.append(1)
+
+    with pytest.raises(OSError, match=r"cannot write checkpoints to .*a-file/ckpt.*Fix: give dirpath a folder"):
+        fit(str(blocker / "ckpt"), tmp_path, Count())
+    assert steps == []

@@ -1,0 +1,136 @@
+"""Every reader of a manifest or run file treats undecodable, truncated or hostile bytes as "not trusted" (one policy,
+``storage.trust``): fuzzed with hypothesis, then the corrupt-manifest resume a torn write leaves, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lightning.pytorch import Trainer
+
+from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.checkpoint import atomic_save, verify
+from lightning_accel.checkpoint.bucket import list_bucket_manifests
+from lightning_accel.checkpoint.durable import manifest_path, read_manifest
+from lightning_accel.monitor.progress import PROGRESS_FILE, last_progress_time, read_highest_step
+from lightning_accel.profile.doctor import load_run
+from lightning_accel.storage import parse_json_object
+from tests.checkpoint.train_bucket import BucketNet, loaders
+from tests.conftest import tiny_trainer_kwargs
+
+# what a torn write, a bad sector or a hostile edit can leave: random bytes, valid JSON of the wrong shape, a
+# truncated real manifest, nesting deep enough to exhaust the parser
+REAL = json.dumps({"format": 2, "file": "step=00000004.ckpt", "bytes": 1234, "xxh3_64": "ab" * 8, "global_step": 4})
+hostile = st.one_of(
+    st.binary(max_size=256),
+    st.integers(0, len(REAL)).map(lambda n: REAL[:n].encode()),
+    st.recursive(st.none() | st.booleans() | st.floats() | st.text(max_size=8), st.lists, max_leaves=8).map(
+        lambda v: json.dumps(v).encode()
+    ),
+    st.integers(1, 50_000).map(lambda n: b"[" * n),
+    st.integers(1, 50_000).map(lambda n: b'{"a":' * n),
+)
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+class OneFolderStore:
+    """The few calls ``list_bucket_manifests`` makes of an fsspec file system, over one dict of objects."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = objects
+
+    def invalidate_cache(self, path=None) -> None:
+        pass
+
+    def ls(self, root, detail=False):
+        return [f"{root}/{name}" for name in self.objects]
+
+    def cat_file(self, path):
+        return self.objects[path.rsplit("/", 1)[-1]]
+
+
+@FUZZ
+@given(data=hostile)
+def test_no_reader_raises_on_hostile_bytes(tmp_path_factory, data):
+    folder = tmp_path_factory.mktemp("fuzz")
+    ckpt = folder / "step=00000004.ckpt"
+    ckpt.write_bytes(data)  # the checkpoint itself is garbage too
+    manifest_path(ckpt).write_bytes(data)
+    (folder / PROGRESS_FILE).write_bytes(data)
+    value = parse_json_object(data)
+    assert value is None or isinstance(value, dict)
+    assert read_manifest(ckpt) == value
+    verdict = verify(ckpt)  # judged, never raised
+    assert not verdict and verdict.reason
+    step = read_highest_step(folder)
+    assert step is None or type(step) is int
+    at = last_progress_time(folder)
+    assert at is None or isinstance(at, float)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "skipping checkpoint ...: its manifest is not readable JSON"
+        listed = list_bucket_manifests(OneFolderStore({"step=00000004.ckpt.manifest.json": data}), "b/run")
+        assert find_resume_checkpoint(folder) is None
+    assert listed == (
+        []
+        if value is None
+        else [(value.get("global_step") if type(value.get("global_step")) is int else -1, "step=00000004.ckpt", value)]
+    )
+    (folder / "goodput.json").write_bytes(data)
+    if value is None:
+        with pytest.raises(ValueError, match=r"goodput\.json is not a JSON object"):
+            load_run(folder)
+
+
+def write_checkpoints(folder: Path, steps: tuple[int, ...]) -> list[Path]:
+    paths = []
+    for step in steps:
+        path = folder / f"step={step:08d}.ckpt"
+        atomic_save({"global_step": step, "w": torch.full((8,), float(step))}, path, {"global_step": step})
+        paths.append(path)
+    return paths
+
+
+def test_a_torn_manifest_is_not_trusted_and_the_file_is_judged_by_its_zip(tmp_path):
+    """64 random bytes in the newest checkpoint's manifest (what a torn write leaves): the search resumes from that
+    file, whose zip container and CRCs are intact, with a warning saying why; a torn file too falls back to the
+    next valid checkpoint."""
+    old, new = write_checkpoints(tmp_path, (4, 8))
+    manifest_path(new).write_bytes(os.urandom(64))
+    with pytest.warns(UserWarning, match=r"Resuming from .*step=00000008.ckpt although it has unreadable manifest"):
+        assert find_resume_checkpoint(tmp_path) == str(new)
+    new.write_bytes(new.read_bytes()[:-100])  # and now the file is torn too
+    with pytest.warns(UserWarning, match=r"Skipping checkpoint .*step=00000008.ckpt"):
+        assert find_resume_checkpoint(tmp_path) == str(old)
+
+
+def test_a_run_resumes_from_a_checkpoint_whose_manifest_is_garbage(tmp_path):
+    """End to end, through PreemptionCheckpoint and Lightning's loader: the newest checkpoint's manifest replaced by
+    random bytes; ``find_resume_checkpoint`` and an explicit ``ckpt_path`` both resume from it, and the run ends on
+    the same weights as one that never lost its manifest."""
+
+    def run(max_steps: int, ckpt_path: str | None, folder: Path) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = BucketNet()
+        callbacks = [PreemptionCheckpoint(folder, every_n_steps=4, keep_last=None)]
+        trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=max_steps, callbacks=callbacks))
+        trainer.fit(model, train_dataloaders=loaders()[0], ckpt_path=ckpt_path)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    folder = tmp_path / "ckpt"
+    run(8, None, folder)
+    newest = folder / "step=00000008.ckpt"
+    manifest_path(newest).write_bytes(os.urandom(64))
+    with pytest.warns(UserWarning, match="unreadable manifest"):
+        found = find_resume_checkpoint(folder)
+    assert found == str(newest)
+    resumed = run(12, found, tmp_path / "after")
+    explicit = run(12, str(newest), tmp_path / "explicit")
+    whole = run(12, None, tmp_path / "whole")
+    for key, value in whole.items():
+        assert torch.equal(resumed[key], value) and torch.equal(explicit[key], value), key
