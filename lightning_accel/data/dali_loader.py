@@ -17,6 +17,7 @@ from PIL import Image
 
 from lightning_accel.data.resumable import cut_slots, deal_slots, epoch_order, slots_per_rank
 from lightning_accel.ranks import gather_from_ranks
+from lightning_accel.storage import check_storage_url, filesystem, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +31,54 @@ READER_NAME = "Reader"
 def scan_image_folder(root: str | Path) -> tuple[list[str], list[str], list[int]]:
     """Classes (sorted subfolders), image files and their labels of an ``ROOT/CLASS/IMG`` folder.
 
+    ``root`` may be a bucket URL (``s3://bucket/train``): it is listed through fsspec, and the files are given to
+    DALI's reader as URLs, which it reads itself (DALI's readers take ``s3://``, with the standard AWS variables).
     Raises a clear error for a missing folder, no class subfolders, or no images.
     """
-    root = Path(root)
-    if not root.is_dir():
+    if is_remote(str(root)):
+        check_storage_url(str(root), "data folder")
+        listing = _list_bucket_folder(str(root))
+    else:
+        folder = Path(root)
+        listing = (
+            None
+            if not folder.is_dir()
+            else {p.name: [str(f) for f in p.iterdir()] for p in folder.iterdir() if p.is_dir()}
+        )
+    if listing is None:
         raise FileNotFoundError(f"Image folder {str(root)!r} does not exist (expected ROOT/CLASS_NAME/IMAGE.jpg)")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    classes = sorted(listing)
     if not classes:
         raise ValueError(f"Image folder {str(root)!r} has no class subfolders (expected ROOT/CLASS_NAME/IMAGE.jpg)")
     files, labels = [], []
     for label, name in enumerate(classes):
-        for f in sorted((root / name).iterdir()):
-            if f.suffix.lower() in IMAGE_SUFFIXES:
-                files.append(str(f))
+        for f in sorted(listing[name]):
+            if Path(f).suffix.lower() in IMAGE_SUFFIXES:
+                files.append(f)
                 labels.append(label)
     if not files:
         raise ValueError(
             f"Image folder {str(root)!r} has class folders {classes[:5]} but no {sorted(IMAGE_SUFFIXES)} files"
         )
     return classes, files, labels
+
+
+def _list_bucket_folder(url: str) -> dict[str, list[str]] | None:
+    """``{class: [file URLs]}`` under a bucket prefix (one recursive listing), or ``None`` when nothing is there."""
+    fs, root = filesystem(url)
+    scheme = url.split("://", 1)[0]
+    try:
+        keys = fs.find(root)
+    except FileNotFoundError:
+        return None
+    if not keys:
+        return None
+    listing: dict[str, list[str]] = {}
+    for key in keys:
+        parts = key[len(root) :].strip("/").split("/")
+        if len(parts) == 2:  # CLASS/IMAGE: deeper keys are not this layout's
+            listing.setdefault(parts[0], []).append(f"{scheme}://{key}")
+    return listing
 
 
 def find_unreadable_images(root: str | Path, limit: int = 5) -> list[str]:

@@ -1,0 +1,179 @@
+"""Checkpoints in a bucket, end to end: ours beside Lightning's ModelCheckpoint to s3:// and torch DCP's async_save.
+
+Every variant in the same run, against the same S3 API server on 127.0.0.1 (moto's server mode, started here), in
+alternating rounds: an MLP trained with SGD + momentum (a checkpoint of about ``--params-m`` x 8 MB: weights and
+momentum), a checkpoint every ``--every`` steps.
+
+- ``none``: the same fit without checkpoints (the reference);
+- ``ours_local``: ``PreemptionCheckpoint(local folder, async_save=True)``, the stall a bucket save should match;
+- ``ours_bucket``: ``PreemptionCheckpoint("s3://...", async_save=True)``: staged locally, uploaded in the
+  background, confirmed, manifest last; ``fit`` returns once the last one is in the store;
+- ``lightning_s3``: ``ModelCheckpoint(dirpath="s3://...")``, what a Lightning user picks (the write goes to the store
+  on the training thread);
+- ``lightning_s3_async``: the same with ``plugins=[AsyncCheckpointIO()]``;
+- ``dcp_async_s3``: ``torch.distributed.checkpoint.async_save(state, checkpoint_id="s3://...")`` (DCP picks its fsspec
+  writer for the URL), one save in flight.
+
+Reported: fit time over ``none``, the stall (the saving callback's ``on_train_batch_end`` at a saving step), and the
+time to resume from the bucket on an empty machine (find the newest checkpoint, download it, load it).
+
+    python -m benchmarks.object_storage [--params-m 4] [--steps 40] [--every 10] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+from benchmarks.checkpoint_async import MomentumMLP, StepTimes, _time_saving_hook
+from benchmarks.harness import RESULTS, quiet_trainer, write
+from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.data import SyntheticClassificationDataModule
+from tests.helpers.s3_server import MotoServer, s3_env
+
+VARIANTS = ("none", "ours_local", "ours_bucket", "lightning_s3", "lightning_s3_async", "dcp_async_s3")
+PEERS = ("lightning_s3", "lightning_s3_async", "dcp_async_s3")
+
+
+class DCPAsyncSave(Callback):
+    """``dcp.async_save`` to a bucket URL (DCP's fsspec writer), one save in flight, as torch's docs show."""
+
+    def __init__(self, url: str, every_n_steps: int) -> None:
+        self.url, self.every = url, every_n_steps
+        self.pending: Future | None = None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.every:
+            return
+        self._wait()
+        state = {"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}
+        self.pending = dcp.async_save(state, checkpoint_id=f"{self.url}/step={trainer.global_step}", no_dist=True)
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._wait()
+
+
+def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[str, Any]:
+    timer = StepTimes()
+    callbacks: list[Callback] = [timer]
+    extra: dict[str, Any] = {}
+    if variant.startswith("ours"):
+        callbacks.append(PreemptionCheckpoint(where, every_n_steps=every, keep_last=2, async_save=True))
+    elif variant.startswith("lightning"):
+        callbacks.append(ModelCheckpoint(where, every_n_train_steps=every, save_top_k=2, monitor="step", mode="max"))
+        extra = {"enable_checkpointing": True}
+        if variant.endswith("async"):
+            extra["plugins"] = [AsyncCheckpointIO()]
+    elif variant == "dcp_async_s3":
+        callbacks.append(DCPAsyncSave(where, every))
+    stall = _time_saving_hook(callbacks[-1], every) if variant != "none" else []
+    model = MomentumMLP(input_dim=hidden, hidden_dim=hidden, num_layers=3, num_classes=4)
+    trainer = quiet_trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, **extra)
+    data = SyntheticClassificationDataModule(num_samples=16 * steps, input_dim=hidden, batch_size=16)
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)  # each variant's teardown waits for its last write (ours: the upload)
+    return {"fit_s": time.perf_counter() - start, "stall_s": stall}
+
+
+def resume_seconds(url: str, cache: Path) -> float:
+    """An empty machine: find the bucket's newest complete checkpoint, download and verify it, and load it."""
+    os.environ["LIGHTNING_ACCEL_CACHE_DIR"] = str(cache)
+    start = time.perf_counter()
+    found = find_resume_checkpoint(url)
+    assert found is not None
+    torch.load(found, map_location="cpu", weights_only=False)
+    return time.perf_counter() - start
+
+
+def run(params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2) -> dict[str, Any]:
+    hidden = int((params_m * 1e6 / 3) ** 0.5)
+    server = MotoServer().start()
+    os.environ.update(s3_env(server.url))
+    fs = fsspec.filesystem("s3")
+    fits: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    resume: list[float] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ["LIGHTNING_ACCEL_CACHE_DIR"] = str(Path(tmp) / "cache")
+            for r in range(rounds):
+                bucket = f"bench-{r}"
+                fs.mkdir(bucket)
+                for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:  # alternate the order: drift cancels
+                    where = str(Path(tmp) / variant) if variant == "ours_local" else f"s3://{bucket}/{variant}"
+                    fits[variant].append(fit(variant, hidden, steps, every, where))
+                    shutil.rmtree(Path(tmp) / variant, ignore_errors=True)
+                resume.append(resume_seconds(f"s3://{bucket}/ours_bucket", Path(tmp) / f"empty-{r}"))
+                os.environ["LIGHTNING_ACCEL_CACHE_DIR"] = str(Path(tmp) / "cache")
+    finally:
+        server.stop()
+    variants = {}
+    for variant, runs in fits.items():
+        stall = [t for f in runs for t in f["stall_s"]]
+        paired = [f["fit_s"] / n["fit_s"] for f, n in zip(runs, fits["none"], strict=True)]
+        variants[variant] = {
+            "fit_s": statistics.median(f["fit_s"] for f in runs),
+            "fit_over_none": statistics.median(paired),
+            "stall_ms": 1000 * statistics.median(stall) if stall else 0.0,
+        }
+    best = min(PEERS, key=lambda name: variants[name]["fit_over_none"])
+    per_round = [o["fit_s"] / p["fit_s"] for o, p in zip(fits["ours_bucket"], fits[best], strict=True)]
+    return {
+        "params_m": params_m,
+        "checkpoint_mb": params_m * 8,  # fp32 weights + momentum
+        "steps": steps,
+        "every_n_steps": every,
+        "rounds": rounds,
+        "variants": variants,
+        "best_peer": best,
+        "ours_bucket_over_best_peer_fit": statistics.median(per_round),
+        "ours_bucket_stall_over_ours_local": variants["ours_bucket"]["stall_ms"]
+        / max(variants["ours_local"]["stall_ms"], 1e-3),
+        "resume_from_bucket_s": statistics.median(resume),
+        "raw_fit_s": {v: [f["fit_s"] for f in runs] for v, runs in fits.items()},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params-m", type=float, default=4)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    result = run(args.params_m, args.steps, args.every, args.rounds)
+    v = result["variants"]
+    ratios = {name: v[name]["fit_over_none"] for name in VARIANTS[1:]}
+    write("object_storage", result, ratios, "fit time over the fit without checkpoints", out=args.out)
+    for name in VARIANTS:
+        row = v[name]
+        print(f"{name:20} fit {row['fit_s']:6.2f}s  x{row['fit_over_none']:.2f}  stall {row['stall_ms']:7.1f} ms")
+    print(
+        f"ours (bucket) / best peer ({result['best_peer']}), fit: {result['ours_bucket_over_best_peer_fit']:.3f}; "
+        f"stall / ours local: {result['ours_bucket_stall_over_ours_local']:.2f}; "
+        f"resume from the bucket on an empty machine: {result['resume_from_bucket_s']:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
