@@ -34,7 +34,12 @@ prometheus-server:
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
-test: lint prometheus-server
+# tests/checkpoint/test_bucket.py's Azure case runs against Azurite, Microsoft's Azure Storage emulator (npm registry)
+AZURITE := .azurite/node_modules/.bin/azurite-blob
+$(AZURITE):
+	npm install --prefix .azurite --no-audit --no-fund --silent azurite@3.37.0
+
+test: lint prometheus-server $(AZURITE)
 	$(PYTEST)
 
 test-fast: $(STAMP)
@@ -44,4 +49,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) lightning_logs runs checkpoints
+	rm -rf $(VENV) .azurite lightning_logs runs checkpoints

@@ -43,7 +43,7 @@ from benchmarks.checkpoint_async import MomentumMLP, StepTimes, _time_saving_hoo
 from benchmarks.harness import RESULTS, quiet_trainer, write
 from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.data import SyntheticClassificationDataModule
-from tests.helpers.s3_server import MotoServer, s3_env
+from tests.helpers.object_stores import MotoServer, s3_env
 
 VARIANTS = ("none", "ours_local", "ours_bucket", "lightning_s3", "lightning_s3_async", "dcp_async_s3")
 PEERS = ("lightning_s3", "lightning_s3_async", "dcp_async_s3")

@@ -39,9 +39,9 @@ class SigtermAt(Callback):
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """moto's S3 server on 127.0.0.1 behind a proxy the tests can cut (tests/helpers/s3_server.py); the standard AWS
+    """moto's S3 server on 127.0.0.1 behind a proxy the tests can cut (tests.helpers.object_stores.py); the standard AWS
     variables point at the proxy for this process and every subprocess it starts."""
-    from tests.helpers.s3_server import MotoServer, Proxy, s3_env
+    from tests.helpers.object_stores import MotoServer, Proxy, s3_env
 
     server = MotoServer().start()
     proxy = Proxy(server.port).start()
@@ -72,3 +72,27 @@ def bucket(s3_server, request, tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_ACCEL_CACHE_DIR", str(tmp_path / "cache"))
     s3_server.restore()
     return name
+
+
+@pytest.fixture(scope="session")
+def azure_container(tmp_path_factory):
+    """Azurite's Blob service on 127.0.0.1 (``make test`` installs it into ``.azurite/`` from the npm registry) and a
+    container in it; adlfs reaches it through the standard AZURE_STORAGE_CONNECTION_STRING."""
+    from tests.helpers.object_stores import AZURITE, AzuriteServer
+
+    if not AZURITE.is_file():
+        pytest.skip(f"Azurite is not installed at {AZURITE}: `make test` installs it from the npm registry")
+    import fsspec
+
+    server = AzuriteServer(tmp_path_factory.mktemp("azurite")).start()
+    saved = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+    os.environ["AZURE_STORAGE_CONNECTION_STRING"] = server.connection_string
+    try:
+        fsspec.filesystem("az", skip_instance_cache=True).mkdir("checkpoints")
+        yield "checkpoints"
+    finally:
+        if saved is None:
+            os.environ.pop("AZURE_STORAGE_CONNECTION_STRING", None)
+        else:
+            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = saved
+        server.stop()

@@ -8,6 +8,7 @@ environment (:meth:`Pricing.from_env`); nothing is looked up.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,8 +44,20 @@ class Pricing:
             raise ValueError(f"Pricing.market must be 'on_demand' or 'spot', got {self.market!r}")
         for name in ("on_demand_per_hour", "spot_per_hour"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"Pricing.{name} must be >= 0, got {value}")
+            if value is None:
+                continue
+            # a recipe may write a price as a string ("1.2"): a number in any form is taken, anything else refused
+            if isinstance(value, bool):
+                raise ValueError(f"Pricing.{name} must be a number of {self.currency} per hour, got {value!r}")
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"Pricing.{name} must be a number of {self.currency} per hour, got {value!r}"
+                ) from None
+            if not math.isfinite(number) or number < 0:
+                raise ValueError(f"Pricing.{name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, number)
         if self.price_per_hour is None:
             raise ValueError(
                 f"Pricing: market={self.market!r} but {self.market}_per_hour is not set; give it, or pick the other "
@@ -78,9 +91,12 @@ class Pricing:
             if text is None or text == "":
                 return None
             try:
-                return float(text)
+                value = float(text)
             except ValueError:
-                raise ValueError(f"{ENV_PREFIX}{name}={text!r} is not a number (dollars per hour)") from None
+                value = math.nan
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{ENV_PREFIX}{name}={text!r} is not a finite number >= 0 (dollars per hour)")
+            return value
 
         on_demand, spot = number("ON_DEMAND_PER_HOUR"), number("SPOT_PER_HOUR")
         if on_demand is None and spot is None:

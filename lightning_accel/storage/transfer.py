@@ -146,15 +146,15 @@ def _md5s(path: Path) -> tuple[str, str]:
 
 def _remote_checksum(info: dict[str, Any]) -> tuple[str, str] | None:
     """(kind, value) of a checksum the store reports for an object, or ``None`` when it reports none we can check."""
-    etag = info.get("ETag") or info.get("etag")
-    if isinstance(etag, str) and etag.strip('"'):
-        return "etag", etag.strip('"')
+    content_md5 = (info.get("content_settings") or {}).get("content_md5")  # Azure (its ETag is no MD5)
+    if content_md5:
+        return "md5", bytes(content_md5).hex()
     md5 = info.get("md5Hash")  # GCS: base64 of the MD5 (absent for composite objects)
     if isinstance(md5, str):
         return "md5", base64.b64decode(md5).hex()
-    content_md5 = (info.get("content_settings") or {}).get("content_md5")  # Azure, when the uploader set it
-    if content_md5:
-        return "md5", bytes(content_md5).hex()
+    etag = info.get("ETag") or info.get("etag")  # S3
+    if isinstance(etag, str) and etag.strip('"'):
+        return "etag", etag.strip('"')
     return None
 
 

@@ -45,13 +45,21 @@ def test_prices_are_checked_and_read_from_the_environment():
     spot = Pricing.from_env({**env, "LIGHTNING_ACCEL_PRICE_MARKET": "spot", "LIGHTNING_ACCEL_PRICE_PER": "node"})
     assert spot.market == "spot" and spot.per == "node" and spot.price_per_hour == 1.2
     assert Pricing.from_env({"LIGHTNING_ACCEL_PRICE_SPOT_PER_HOUR": "0.9"}).market == "spot"  # the only price
-    with pytest.raises(ValueError, match=r"LIGHTNING_ACCEL_PRICE_ON_DEMAND_PER_HOUR='\$4' is not a number"):
+    with pytest.raises(ValueError, match=r"LIGHTNING_ACCEL_PRICE_ON_DEMAND_PER_HOUR='\$4' is not a finite number"):
         Pricing.from_env({"LIGHTNING_ACCEL_PRICE_ON_DEMAND_PER_HOUR": "$4"})
+    for bad in ("nan", "inf", "-inf", "NaN"):
+        with pytest.raises(ValueError, match=rf"SPOT_PER_HOUR='{bad}' is not a finite number >= 0"):
+            Pricing.from_env({"LIGHTNING_ACCEL_PRICE_SPOT_PER_HOUR": bad})
+    # a recipe's YAML may give a price as a string: a number in any form is taken, anything else refused
+    assert Pricing(spot_per_hour="1.2", market="spot").price_per_hour == 1.2  # type: ignore[arg-type]
+    for bad in ("1.2 USD", float("nan"), float("inf"), True, [1]):
+        with pytest.raises(ValueError, match=r"Pricing\.spot_per_hour must be a (finite )?number"):
+            Pricing(spot_per_hour=bad, market="spot")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="market='spot' but spot_per_hour is not set"):
         Pricing(on_demand_per_hour=4.0, market="spot")
     with pytest.raises(ValueError, match="per must be 'device' or 'node', got 'gpu'"):
         Pricing(on_demand_per_hour=4.0, per="gpu")
-    with pytest.raises(ValueError, match="on_demand_per_hour must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="on_demand_per_hour must be a finite number >= 0, got -1"):
         Pricing(on_demand_per_hour=-1)
 
 

@@ -1,4 +1,5 @@
-"""A real S3 API server on 127.0.0.1 for the object-storage tests, and a TCP proxy in front of it to cut the network.
+"""Real object-store servers on 127.0.0.1 for the object-storage tests: S3 (moto), Azure Blob (Azurite), and a TCP
+proxy in front of S3 to cut the network.
 
 moto's server mode (``moto[server]``, the server s3fs's own test suite runs against) keeps its buckets in memory;
 the proxy lets a test refuse connections (an outage) or hold them without an answer (a stalled upload) and then
@@ -19,7 +20,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["MotoServer", "Proxy", "free_port", "s3_env"]
+__all__ = ["AzuriteServer", "MotoServer", "Proxy", "free_port", "s3_env"]
 
 
 def free_port() -> int:
@@ -196,3 +197,45 @@ class Proxy:
             yield
         finally:
             self.restore()
+
+
+AZURITE = Path(__file__).resolve().parents[2] / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+# Azurite's well-known development account (documented by Microsoft; it opens nothing but the local emulator)
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+class AzuriteServer:
+    """Azurite's Blob service (Microsoft's Azure Storage emulator, installed by ``make test`` from the npm registry
+    into ``.azurite/``) on a free port of 127.0.0.1, its data in ``location``."""
+
+    def __init__(self, location: Path) -> None:
+        self.port = free_port()
+        self.location = location
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def connection_string(self) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{self.port}/devstoreaccount1;"
+        )
+
+    def start(self, timeout: float = 30.0) -> AzuriteServer:
+        cmd = [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", str(self.location)]
+        self.proc = subprocess.Popen([*cmd, "--skipApiVersionCheck", "--loose"], stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"azurite-blob exited with {self.proc.returncode}") from None
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"azurite-blob did not listen on 127.0.0.1:{self.port} within {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # its data is a test's temporary folder; SIGTERM left it running for seconds
+            self.proc.wait()
