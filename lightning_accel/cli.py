@@ -22,6 +22,7 @@ from lightning_accel.launch import exit_launcher, fit_on_ray, newest_checkpoint,
 from lightning_accel.monitor import GoodputMonitor
 from lightning_accel.profile import TorchProfiler, diagnose, load_run, report
 from lightning_accel.recipe import build_cli
+from lightning_accel.storage import download_dir, is_remote
 from lightning_accel.strategies import close_gloo_process_group_at_exit
 from lightning_accel.tune import tune
 from lightning_accel.tune.config import add_cli_options, config_from_cli
@@ -32,13 +33,17 @@ log = logging.getLogger(__name__)
 def doctor(args: list[str]) -> int:
     """``lightning-accel doctor RUN_DIR``: print the ranked findings, write doctor.md/.png/.json there."""
     parser = argparse.ArgumentParser(prog="lightning-accel doctor", description=doctor.__doc__)
-    parser.add_argument("run_dir", type=Path, help="folder a GoodputMonitor (and TorchProfiler) wrote into")
+    parser.add_argument(
+        "run_dir", help="folder a GoodputMonitor (and TorchProfiler) wrote into, or a bucket URL (a checkpoint dirpath)"
+    )
     ns = parser.parse_args(args)
     try:
         goodput, summary = load_run(ns.run_dir)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         parser.error(str(err))
-    path = report(diagnose(goodput, summary), goodput, summary, ns.run_dir)
+    # a bucket's report goes beside the local copy of its run files
+    out = download_dir(ns.run_dir) / "run" if is_remote(ns.run_dir) else Path(ns.run_dir)
+    path = report(diagnose(goodput, summary), goodput, summary, out)
     log.info("doctor report: %s", path)
     return 0
 

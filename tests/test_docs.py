@@ -30,7 +30,7 @@ def test_every_capability_has_a_guide_with_an_example():
 
 def test_readme_links_resolve():
     for target in re.findall(r"\]\((docs/[^)]+)\)", (ROOT / "README.md").read_text()):
-        assert (ROOT / target).is_file(), target
+        assert (ROOT / target.split("#")[0]).is_file(), target  # (an anchor names a section of the file)
 
 
 @pytest.mark.slow

@@ -107,8 +107,8 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
     the next save) or :meth:`teardown`.
     """
 
-    def __init__(self, recycle: bool = True) -> None:
-        super().__init__(recycle)
+    def __init__(self, recycle: bool = True, fsync: bool = True) -> None:
+        super().__init__(recycle, fsync)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
         self._staging = StagingBuffers()
@@ -167,9 +167,10 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
             super().teardown()
 
 
-def install_atomic_io(strategy: Strategy, async_save: bool) -> None:
-    """Give ``strategy`` our atomic checkpoint IO (async with ``async_save``) in place of Lightning's default one; a
-    user's own IO plugin is respected, with a warning that its writes are not made atomic."""
+def install_atomic_io(strategy: Strategy, async_save: bool, fsync: bool = True) -> None:
+    """Give ``strategy`` our atomic checkpoint IO (async with ``async_save``; ``fsync=False`` for a staging folder)
+    in place of Lightning's default one; a user's own IO plugin is respected, with a warning that its writes are not
+    made atomic."""
     sharded = isinstance(strategy, DeepSpeedStrategy) or saves_distributed_checkpoint(strategy)
     if sharded and async_save:
         log.warning(
@@ -179,7 +180,7 @@ def install_atomic_io(strategy: Strategy, async_save: bool) -> None:
         )
     io = strategy.checkpoint_io
     if type(io) is TorchCheckpointIO:  # the default: upgrade it
-        strategy.checkpoint_io = AsyncAtomicCheckpointIO() if async_save else AtomicCheckpointIO()
+        strategy.checkpoint_io = AsyncAtomicCheckpointIO(fsync=fsync) if async_save else AtomicCheckpointIO(fsync=fsync)
     elif not isinstance(io, (AtomicCheckpointIO, AsyncCheckpointIO)):
         log.warning(
             "%s uses its own checkpoint IO (%s): writes are not made atomic by PreemptionCheckpoint",

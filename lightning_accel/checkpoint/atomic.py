@@ -79,12 +79,15 @@ def atomic_save(
     meta: dict[str, Any] | None = None,
     reuse: Path | None = None,
     before_manifest: Callable[[Path], None] | None = None,
+    fsync: bool = True,
 ) -> dict[str, Any]:
     """``torch.save(obj, path)`` atomically and durably; returns the manifest written beside it.
 
     ``reuse``: a spare file in the same folder (an old checkpoint renamed to a hidden temporary name) to
     overwrite in place instead of allocating a new file; it is renamed to ``path`` or removed on failure.
     ``before_manifest``: called with ``path`` once the file is durable, before the manifest makes it count.
+    ``fsync=False``: renamed into place but not fsynced (a copy staged for an object store, which keeps the durable
+    one).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,12 +103,12 @@ def atomic_save(
             raise _explain_write_error(writer.error, path) from err
         digest.update({CHECKSUM: writer.hash.hexdigest(), "bytes": writer.size})
 
-    write_durably(path, write_checkpoint, reuse)
+    write_durably(path, write_checkpoint, reuse, fsync)
     if before_manifest is not None:
         before_manifest(path)
     manifest = {"format": MANIFEST_FORMAT, "file": path.name, **digest, "created_unix": time.time(), **(meta or {})}
     # The manifest goes last: a checkpoint without a matching manifest is never trusted.
-    write_manifest(path, manifest)
+    write_manifest(path, manifest, fsync)
     return manifest
 
 
@@ -123,9 +126,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     for background writes; :class:`PreemptionCheckpoint` installs one for you.
     """
 
-    def __init__(self, recycle: bool = True) -> None:
+    def __init__(self, recycle: bool = True, fsync: bool = True) -> None:
         super().__init__()
-        self.recycle = recycle
+        self.recycle, self.fsync = recycle, fsync
         self._written: dict[str, tuple[int, int]] = {}  # path -> (size, mtime_ns) of what this IO wrote
         self._spares: dict[Path, Path] = {}  # folder -> a removed checkpoint kept to be overwritten
         self._saving = False  # between the first save and teardown: a spare is only kept for a save to come
@@ -137,7 +140,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         spare = self._spares.pop(path.parent, None)
         reuse = spare if spare and spare.is_file() else None
         # recorded before the manifest is written: once it is, pruning on another thread may look at this file
-        atomic_save(checkpoint, path, _manifest_meta(checkpoint), reuse=reuse, before_manifest=self._record_written)
+        atomic_save(
+            checkpoint, path, _manifest_meta(checkpoint), reuse, before_manifest=self._record_written, fsync=self.fsync
+        )
 
     def _record_written(self, path: Path) -> None:
         stat = path.stat()

@@ -80,6 +80,7 @@ class BucketPublisher:
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
         self._warned_slow = False
+        self._ours: dict[str, tuple[int, bool]] | None = None  # this run's checkpoints in the bucket: step, folder?
         self.cancelled = False
 
     # -- fit start ---------------------------------------------------------------------------------------------
@@ -156,6 +157,8 @@ class BucketPublisher:
             # the manifest goes last: until it is confirmed in the store, the checkpoint does not count
             objects.append((manifest_path(pub.local), join(self.root, name + MANIFEST_SUFFIX)))
             for local, remote in objects:
+                if self.cancelled:  # given up at a missed deadline: no object after that, least of all the manifest
+                    raise StoreError(f"the upload of {name} was given up")
                 retrying(
                     lambda: upload(self.fs, local, remote),  # noqa: B023 - called at once, inside this iteration
                     self.outage,
@@ -172,6 +175,8 @@ class BucketPublisher:
                 "checkpoint %s is in the store (%.1f MB in %.2f s)", redact(pub.url), pub.bytes / 1e6, pub.upload_s
             )
             self._warn_if_slow(pub)
+            # before the queue lets go of it: whoever waits for the queue (the end of a fit) waits for retention
+            self.prune(pub)
         except StoreError as err:
             if not self.cancelled:
                 log.warning(
@@ -186,7 +191,6 @@ class BucketPublisher:
             with self._lock:
                 if pub in self._queue:
                     self._queue.remove(pub)
-        self.prune(pub)
 
     def _warn_if_slow(self, pub: Publication) -> None:
         total = pub.staged_s + (pub.upload_s or 0.0)
@@ -235,25 +239,36 @@ class BucketPublisher:
     # -- retention ---------------------------------------------------------------------------------------------
     def prune(self, newest: Publication) -> None:
         """Delete this run's checkpoints in the bucket beyond ``keep_last`` (manifest first: it stops counting at
-        once) and the staged local copies older than ``newest``."""
+        once) and the staged local copies older than ``newest``. The bucket is listed once per fit (for the
+        checkpoints earlier attempts of the run left); after that this publisher's own uploads are all it adds."""
         for path in newest.local.parent.glob("step=*.ckpt"):
             if path.name < newest.local.name:
                 _remove_local(path)
         if self.keep_last is None:
             return
-        run_id = _run_id(newest.local)
-        try:
-            listed = list_bucket_manifests(self.fs, self.root)
-        except OSError as err:
-            self.outage.failed(err, "listing checkpoints to prune")
-            return
-        ours = [(step, name) for step, name, m in listed if m.get("run_id") == run_id]
-        for _, name in sorted(ours, reverse=True)[self.keep_last :]:
+        if self._ours is None:
+            run_id = _run_id(newest.local)
+            try:
+                listed = list_bucket_manifests(self.fs, self.root)
+            except OSError as err:
+                self.outage.failed(err, "listing checkpoints to prune")
+                return
+            self._ours = {
+                name: (step, m.get("kind") == "folder") for step, name, m in listed if m.get("run_id") == run_id
+            }
+        self._ours[newest.local.name] = (newest.step, newest.local.is_dir())
+        for name in sorted(self._ours, key=lambda n: self._ours[n][0], reverse=True)[self.keep_last :]:  # type: ignore[index]
+            folder = self._ours[name][1]
             try:
                 self.fs.rm_file(join(self.root, name + MANIFEST_SUFFIX))
-                self.fs.rm(join(self.root, name), recursive=True)
+                if folder:
+                    self.fs.rm(join(self.root, name), recursive=True)
+                else:
+                    self.fs.rm_file(join(self.root, name))
             except OSError as err:
                 self.outage.failed(err, f"deleting {name}")
+                continue
+            del self._ours[name]
 
 
 def _files(folder: Path) -> list[Path]:

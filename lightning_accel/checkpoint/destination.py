@@ -16,9 +16,21 @@ from typing import Any
 
 from lightning_accel.checkpoint.bucket import BucketPublisher
 from lightning_accel.checkpoint.durable import TMP_MARKER, PathLike
-from lightning_accel.storage import StoreError, check_storage_url, is_remote, redact, staging_dir
+from lightning_accel.storage import (
+    OutageLog,
+    StoreError,
+    check_storage_url,
+    download_tree,
+    filesystem,
+    is_remote,
+    join,
+    redact,
+    retrying,
+    staging_dir,
+    upload,
+)
 
-__all__ = ["EXIT_MARGIN_S", "FINAL_UPLOAD_TIMEOUT_S", "Destination"]
+__all__ = ["EXIT_MARGIN_S", "FINAL_UPLOAD_TIMEOUT_S", "Destination", "is_run_file"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +38,13 @@ log = logging.getLogger(__name__)
 EXIT_MARGIN_S = 2.0
 # How long a fit that ended waits for its last uploads to reach a store that does not answer before it fails.
 FINAL_UPLOAD_TIMEOUT_S = 600.0
+
+
+def is_run_file(rel: str) -> bool:
+    """Whether a path in the run folder (relative) is a run file to keep beside the checkpoints in a bucket: not a
+    checkpoint, its manifest or a folder of one, and not a hidden temporary, lock or marker file."""
+    first = rel.split("/", 1)[0]
+    return ".ckpt" not in first and not any(part.startswith(".") for part in rel.split("/"))
 
 
 class Destination:
@@ -59,6 +78,7 @@ class Destination:
                 self.publisher = BucketPublisher(self.url, keep_last, grace_period_s)
                 try:
                     self.publisher.check_writable(run_id)
+                    self._fetch_run_files()
                 except StoreError as err:
                     store_error = str(err)
         local_error, store_error = trainer.strategy.broadcast((local_error, store_error), src=0)
@@ -72,6 +92,37 @@ class Destination:
         """A checkpoint was written at ``path``: queue its upload (bucket, rank 0)."""
         if self.publisher is not None:
             self.publisher.submit(path, step, write, staged_s)
+
+    def _fetch_run_files(self) -> None:
+        """An empty machine resuming from the bucket gets the run's files (the progress file a resumed attempt reads
+        to count the work it redoes, the last goodput.json) that it does not have yet."""
+        fs, root = filesystem(self.url or "")
+        missing = lambda rel: is_run_file(rel) and not (self.local_dir / rel).exists()  # noqa: E731
+        try:
+            got = download_tree(fs, root, self.local_dir, missing)
+        except (OSError, ValueError) as err:
+            log.warning("could not fetch this run's files from %s (%s): lost work is not counted", redact(root), err)
+            return
+        if got:
+            log.info("fetched %d run file(s) from %s", len(got), redact(self.url or ""))
+
+    def upload_run_files(self, deadline: float) -> None:
+        """Rank 0: put the run files of the local folder (``goodput.json``, the progress file, ``profile/``,
+        ``hang/``) beside the checkpoints in the bucket, until ``deadline`` (monotonic)."""
+        if self.publisher is None or self.url is None:
+            return
+        fs, root = filesystem(self.url)
+        outage = OutageLog(self.url)
+        files = [p for p in sorted(self.local_dir.rglob("*")) if p.is_file()]
+        for path in files:
+            rel = path.relative_to(self.local_dir).as_posix()
+            if not is_run_file(rel):
+                continue
+            try:
+                retrying(lambda: upload(fs, path, join(root, rel)), outage, f"uploading {rel}", deadline=deadline)  # noqa: B023
+            except StoreError as err:
+                log.warning("run file %s stays on local disk only: %s", path, err)
+                return
 
     def upload_before_deadline(self, began: float, grace_period_s: float) -> str | None:
         """Rank 0 at a preemption: wait for the queued uploads until ``began + grace_period_s`` less the exit's
@@ -97,6 +148,7 @@ class Destination:
             )
         elif queued:
             log.warning("checkpoint step=%d is in the store with %.1f s of the grace period left", queued[-1], left)
+        self.upload_run_files(deadline)
         return newest.url if newest else None
 
     def finish(self) -> None:
@@ -104,12 +156,14 @@ class Destination:
         if self.publisher is None:
             return
         try:
-            if not self.publisher.wait(time.monotonic() + FINAL_UPLOAD_TIMEOUT_S):
+            deadline = time.monotonic() + FINAL_UPLOAD_TIMEOUT_S
+            if not self.publisher.wait(deadline):
                 raise StoreError(
                     f"the last checkpoints did not reach {redact(self.url or '')} within {FINAL_UPLOAD_TIMEOUT_S:g} "
                     f"s (the store does not answer); they are kept in {self.local_dir}: upload them by hand, or "
                     "resume from the bucket's newest complete checkpoint"
                 )
+            self.upload_run_files(deadline)
         finally:
             self.close(cancel=True)
 

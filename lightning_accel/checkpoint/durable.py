@@ -43,9 +43,13 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, write: Callable[[IO[bytes]], None], reuse: Path | None = None) -> None:
+def write_durably(
+    path: Path, write: Callable[[IO[bytes]], None], reuse: Path | None = None, fsync: bool = True
+) -> None:
     """Write to a hidden temporary file (``reuse``, a spare file, overwritten in place, when given), fsync it and
-    rename it to ``path``: readers see the old file or the complete new one, never a torn one."""
+    rename it to ``path``: readers see the old file or the complete new one, never a torn one. ``fsync=False``
+    keeps the rename (never a torn file under the real name) but not the durability: for a copy staged on its way
+    to an object store, which holds the durable one."""
     tmp = (
         reuse if reuse is not None else path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{threading.get_ident()}")
     )
@@ -54,17 +58,19 @@ def write_durably(path: Path, write: Callable[[IO[bytes]], None], reuse: Path | 
             write(f)
             f.truncate()  # a spare longer than the new checkpoint
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def write_manifest(path: PathLike, manifest: dict[str, Any]) -> None:
+def write_manifest(path: PathLike, manifest: dict[str, Any], fsync: bool = True) -> None:
     """Write the manifest of ``path`` durably (the checkpoint itself must be durable already)."""
     path = Path(path)
-    write_durably(manifest_path(path), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    fsync_dir(path.parent)
+    write_durably(manifest_path(path), lambda f: f.write(json.dumps(manifest, indent=1).encode()), fsync=fsync)
+    if fsync:
+        fsync_dir(path.parent)
 
 
 def parse_manifest(data: bytes) -> dict[str, Any] | None:

@@ -173,7 +173,7 @@ class PreemptionCheckpoint(Callback):
         self._validation_due = False
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
         self.retention.reset()
-        install_atomic_io(trainer.strategy, self.async_save)
+        install_atomic_io(trainer.strategy, self.async_save, fsync=self.destination.url is None)  # bucket: no fsync
         # Handlers in place before Lightning installs its own (a user's, an agent's): ours call them.
         self.stop_signals.remember_previous()
         self.destination.check_writable(trainer, self.run_id, self.keep_last, self.grace_period_s)

@@ -17,12 +17,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_accel._compat import wrap_validation_runs
-from lightning_accel.checkpoint import PreemptionCheckpoint
 from lightning_accel.monitor.accounting import METRIC_KEYS, GoodputAccounting, Mark
 from lightning_accel.monitor.batches import default_batch_size, default_tokens
 from lightning_accel.monitor.cost import Pricing, cost_figures
@@ -33,6 +31,7 @@ from lightning_accel.monitor.membership import MembershipLog
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.monitor.plot import plot_ledger
 from lightning_accel.monitor.progress import last_progress_time, read_highest_step, steps_left, write_highest_step
+from lightning_accel.monitor.run_folder import chosen_run_folder, remote_data_source
 from lightning_accel.monitor.summary import goodput_rows, print_summary
 from lightning_accel.ranks import gather_from_ranks
 
@@ -63,8 +62,9 @@ class GoodputMonitor(Callback):
         tokens_fn: ``batch -> tokens``; default: ``numel`` of the first tensor if it holds 2-D integer ids.
         flops_per_batch: FLOPs of one training micro-batch per device; ``None`` counts them on the first one.
         data_wait_warn: Warn once when the data share of training time passes this fraction.
-        run_dir: Folder for the progress file and ``goodput.png``; default: the checkpoint callback's folder,
-            else the logger's (``trainer.log_dir``); with neither, no files are written.
+        run_dir: Folder for the progress file and ``goodput.png``; default: the run's one folder
+            (``monitor/run_folder.py``: the checkpoint callback's folder, for a bucket its staging folder, else the
+            logger's ``trainer.log_dir``); with neither, no files are written.
         progress_every_n_seconds: Record the highest step reached at most this often (a tiny file replaced
             atomically); a restart after a hard kill undercounts the redone work by at most this much.
         prometheus: A :class:`PrometheusExporter` (shared with other monitors) or a port number.
@@ -193,20 +193,8 @@ class GoodputMonitor(Callback):
         if trainer.is_global_zero:
             log.warning("membership change: %s so far (the replay is counted as it happens)", change.describe())
 
-    def _resolve_run_dir(self, trainer: Trainer) -> Path | None:
-        if self.run_dir is not None:
-            return self.run_dir
-        for callback in trainer.callbacks:  # only checkpoint writers: a TorchProfiler's dirpath holds traces
-            if isinstance(callback, PreemptionCheckpoint):  # a bucket's run files are staged beside its checkpoints
-                return callback.local_dir
-            if isinstance(callback, Checkpoint) and getattr(callback, "dirpath", None):
-                return Path(callback.dirpath)  # type: ignore[union-attr]
-        if trainer.loggers:
-            return Path(trainer.log_dir or trainer.default_root_dir)
-        return None  # nothing saved and nothing logged: write no files either
-
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._run_dir = self._resolve_run_dir(trainer)
+        self._run_dir = chosen_run_folder(trainer)  # None: nothing saved and nothing logged, no files
         self._hosts = gather_from_ranks(socket.gethostname())
         start = trainer.global_step
         reached = None
@@ -367,6 +355,8 @@ class GoodputMonitor(Callback):
         if self._run_dir is not None:  # for `lightning-accel doctor`
             self._run_dir.mkdir(parents=True, exist_ok=True)
             run = {"precision": str(trainer.precision), "device": str(trainer.strategy.root_device)}
+            if (source := remote_data_source(trainer)) is not None:  # the doctor's fix for slow remote reads
+                run["data_source"] = source
             if self.accounting.straggler_rank is not None:
                 run["straggler_host"] = self._hosts[self.accounting.straggler_rank]
             if self.membership.changes:  # each change with its parts, for people and benchmarks

@@ -30,6 +30,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_accel._compat import default_store, nccl_flight_recorder_dump
 from lightning_accel.monitor.heartbeat import Beat, Board, HangReport, LocalBoard, StallClock, StoreBoard, find_hang
+from lightning_accel.monitor.run_folder import run_folder
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class HangSentinel(Callback):
             ``floor_s / 4`` capped at 1 s.
         exit_on_hang: Exit with :data:`HANG_EXIT_CODE` once the stacks are dumped. ``False`` only reports (the
             job then waits on, up to the collective timeout).
-        dirpath: Where the ``hang/`` folder goes; default: ``trainer.log_dir``, else ``default_root_dir``.
+        dirpath: Where the ``hang/`` folder goes; default: the run's one folder (``monitor/run_folder.py``: the
+            checkpoint folder, else ``trainer.log_dir``, else ``default_root_dir``).
     """
 
     def __init__(
@@ -132,7 +134,7 @@ class HangSentinel(Callback):
         self._reset(trainer)
         self._fits += 1
         self._board = self._make_board(trainer)
-        self._dir = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
+        self._dir = self.dirpath or run_folder(trainer)  # dumps go to hang/ in the run's one folder
         self._stop.clear()
         self.report, self._hang_found = None, False
         self._register_child_dumps()

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from lightning_accel.checkpoint.destination import is_run_file
 from lightning_accel.figures import pyplot
 from lightning_accel.monitor.goodput import RESULTS_FILE
 from lightning_accel.monitor.ledger import BUCKETS
@@ -25,7 +26,7 @@ from lightning_accel.monitor.summary import format_value
 from lightning_accel.profile.gpu_trace import hta_breakdown
 from lightning_accel.profile.rules import INPUT_SHARE, RULES, Finding, RunFacts, compute_verdict
 from lightning_accel.profile.torch_profiler import SUMMARY_FILE
-from lightning_accel.storage import parse_json_object
+from lightning_accel.storage import download_dir, download_tree, filesystem, is_remote, parse_json_object, redact
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,14 @@ def diagnose(goodput: dict[str, Any] | str | Path, profile: dict[str, Any] | Non
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``(goodput results, profile summary or None)`` from a run folder (the summary may sit in ``profile/``)."""
+    """``(goodput results, profile summary or None)`` from a run folder (the summary may sit in ``profile/``); a bucket
+    URL (a ``PreemptionCheckpoint`` dirpath in object storage) is read through a local copy of its run files."""
+    if is_remote(str(run_dir)):
+        fs, root = filesystem(str(run_dir))
+        local = download_dir(str(run_dir)) / "run"
+        if not download_tree(fs, root, local, is_run_file):
+            raise FileNotFoundError(f"No run files under {redact(str(run_dir))} (expected {RESULTS_FILE})")
+        run_dir = local
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"Run folder {run_dir} does not exist")

@@ -79,14 +79,17 @@ def _share_finding(
 
 
 def input_rule(run: RunFacts) -> Finding | None:
+    remote = run.goodput.get("data_source")  # an object-store URL the data is read from, as GoodputMonitor saw it
+    fix = (
+        f"The step waits for reads from {remote}: read further ahead (DALI's prefetch_queue_depth, or the "
+        "DataLoader's prefetch_factor), more reader threads (DALIImageDataModule(num_threads=...), num_workers), or "
+        "copy the data set to a local cache (NVMe) once per node and read it from there."
+        if remote
+        else "The step waits for the train loader: DataLoader(num_workers=<cores per GPU>, pin_memory=True, "
+        "persistent_workers=True), or decode and augment with lightning_accel.data.DALIImageDataModule."
+    )
     return _share_finding(
-        run,
-        "input",
-        "data",
-        INPUT_SHARE,
-        "The step waits for the train loader: DataLoader(num_workers=<cores per GPU>, pin_memory=True, "
-        "persistent_workers=True), or decode and augment with lightning_accel.data.DALIImageDataModule.",
-        data_wait_share=run.goodput.get("throughput/data_wait_share"),
+        run, "input", "data", INPUT_SHARE, fix, data_wait_share=run.goodput.get("throughput/data_wait_share")
     )
 
 

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from lightning_accel.monitor.forwarding import remove_wrapper
-from lightning_accel.monitor.goodput import GoodputMonitor
+from lightning_accel.monitor.run_folder import run_folder
 from lightning_accel.phases import PROFILER_ACTION
 from lightning_accel.profile.ranges import PHASES, PhaseRanges
 
@@ -108,8 +108,9 @@ class TorchProfiler(Callback):
         wait, warmup, active: The schedule, in training batches (micro-batches under accumulation).
         record_shapes, profile_memory, with_stack: Passed to ``torch.profiler.profile``.
         nvtx: NVTX ranges on CUDA (no effect elsewhere).
-        dirpath: Output folder; default: ``profile/`` in the run folder (a ``GoodputMonitor``'s ``run_dir`` when
-            one is given, else the Trainer's ``default_root_dir``), where ``lightning-accel doctor`` looks.
+        dirpath: Output folder; default: ``profile/`` in the run's one folder (``monitor/run_folder.py``: a
+            ``GoodputMonitor``'s ``run_dir``, else the checkpoint folder, the log dir, the root dir), where
+            ``lightning-accel doctor`` looks.
     """
 
     def __init__(
@@ -144,9 +145,8 @@ class TorchProfiler(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.dirpath is None:  # the run folder: where a GoodputMonitor was told to write, else the root dir
-            run_dirs = [c.run_dir for c in trainer.callbacks if isinstance(c, GoodputMonitor) and c.run_dir]
-            self.dirpath = Path(run_dirs[0] if run_dirs else trainer.default_root_dir) / "profile"
+        if self.dirpath is None:  # profile/ in the run's one folder (monitor/run_folder.py)
+            self.dirpath = run_folder(trainer) / "profile"
         self.summary, self._batches = {}, 0
         nvtx = self.nvtx and trainer.strategy.root_device.type == "cuda"
         self._ranges = trainer.profiler = PhaseRanges(trainer.profiler, nvtx=nvtx)

@@ -12,6 +12,7 @@ from lightning_accel.storage.transfer import (
     abort_stale_uploads,
     confirm_upload,
     download,
+    download_tree,
     retrying,
     upload,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "confirm_upload",
     "download",
     "download_dir",
+    "download_tree",
     "fetch_once_per_node",
     "filesystem",
     "is_remote",

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import fsspec
@@ -21,9 +22,10 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel import GoodputMonitor, PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.checkpoint import bucket as bucket_module
 from lightning_accel.checkpoint.durable import MANIFEST_SUFFIX
+from lightning_accel.profile import load_run
 from lightning_accel.storage import StoreError, UnsupportedStorageError
 from tests.checkpoint.train_bucket import BucketNet, loaders
 from tests.conftest import tiny_trainer_kwargs
@@ -106,6 +108,7 @@ def test_sigterm_exits_75_with_the_checkpoint_in_the_bucket_and_empty_machines_r
     wait_until(lambda: step_of(progress) >= 6, first, "step 6")
     first.send_signal(signal.SIGTERM)
     code, out = finish(first)
+    first_out = out
     assert code == 75, out[-3000:]
     names = objects(bucket)
     saved = [n for n in names if n.endswith(".ckpt")]
@@ -135,7 +138,8 @@ def test_sigterm_exits_75_with_the_checkpoint_in_the_bucket_and_empty_machines_r
     assert f"resuming from {tmp_path / 'c3'}" in out and complete in out.split("resuming from")[1].splitlines()[0]
     assert_bitwise(tmp_path / "c.pt", tmp_path / "ref.pt")
     # keep_last=2 in the bucket: the run's last two, each with its manifest
-    assert [n for n in objects(bucket) if n.endswith(".ckpt")] == ["step=00000024.ckpt", "step=00000028.ckpt"]
+    final = [n for n in objects(bucket) if n.endswith(".ckpt")]
+    assert final == ["step=00000024.ckpt", "step=00000028.ckpt"], f"{final}\n{first_out[-3000:]}\n{out[-4000:]}"
 
 
 class OutageAt(Callback):
@@ -182,13 +186,17 @@ def test_an_outage_mid_run_loses_nothing_and_is_logged_once(bucket, s3_server, t
     assert find_resume_checkpoint(url).endswith("step=00000012.ckpt")
 
 
-def test_retention_deletes_in_the_bucket_and_never_another_runs_checkpoints(bucket, s3_server, tmp_path):
+def test_retention_deletes_in_the_bucket_and_never_another_runs_checkpoints(bucket, s3_server, tmp_path, monkeypatch):
     url = f"s3://{bucket}/run"
     fs = fsspec.filesystem("s3")
     foreign = f"{bucket}/run/step=00000003.ckpt"  # another run's checkpoint in the same folder
     fs.pipe_file(foreign, b"x" * 10)
     fs.pipe_file(foreign + MANIFEST_SUFFIX, json.dumps({"run_id": "someone-else", "global_step": 3}).encode())
-    ckpt = fit(url, tmp_path, max_steps=10)
+    # the parts of a multipart upload a killed process left behind: aborted at the next fit start
+    fs.call_s3("create_multipart_upload", Bucket=bucket, Key="run/step=00000099.ckpt")
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix="run").get("Uploads")
+    ckpt = fit(url, tmp_path, GoodputMonitor(summary=False, plot=False), max_steps=10)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix="run").get("Uploads")
     names = objects(bucket)
     ours = [n for n in names if n.endswith(".ckpt") and n != "step=00000003.ckpt"]
     assert ours == ["step=00000008.ckpt", "step=00000010.ckpt"], names
@@ -196,6 +204,11 @@ def test_retention_deletes_in_the_bucket_and_never_another_runs_checkpoints(buck
     assert [u.rsplit("/", 1)[-1] for u in ckpt.durable] == [f"step={s:08d}.ckpt" for s in (2, 4, 6, 8, 10)]
     # the local staging folder keeps only the newest
     assert [p.name for p in ckpt.local_dir.glob("step=*.ckpt")] == ["step=00000010.ckpt"]
+    # the run's files go beside its checkpoints, and the doctor reads them from the bucket on an empty machine
+    assert {"goodput.json", "goodput_progress.json"} <= set(names)
+    monkeypatch.setenv("LIGHTNING_ACCEL_CACHE_DIR", str(tmp_path / "doctor-machine"))
+    goodput, _ = load_run(url)
+    assert goodput["goodput/restarts"] == 0 and goodput["goodput/total_s"] > 0 and goodput["precision"] == "32-true"
 
 
 def test_bad_urls_and_unreachable_stores_are_refused_before_any_training(bucket, s3_server, tmp_path, monkeypatch):
@@ -289,3 +302,48 @@ def test_checkpoints_in_azure_blob_storage_resume_bitwise_on_an_empty_machine(az
     resumed = fit(url, tmp_path, max_steps=10, ckpt_path=found)
     whole = fit(str(tmp_path / "local"), tmp_path, max_steps=10)
     assert all(torch.equal(resumed.weights[k], v) for k, v in whole.weights.items())
+
+
+def test_a_final_upload_that_misses_the_deadline_keeps_the_previous_checkpoint_and_says_so(
+    bucket, s3_server, tmp_path, caplog
+):
+    """The store stops answering (the proxy holds connections) just before SIGTERM: the final upload cannot finish
+    inside the 4 s grace period, so after 2 s (the grace period less the exit's margin) the run stops with exit 75
+    naming the previous checkpoint, which is the bucket's newest complete one; the error line gives the numbers."""
+    url = f"s3://{bucket}/run"
+
+    class CutThenSignal(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 5:
+                ckpt = next(c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint))
+                deadline = time.monotonic() + 30
+                while not ckpt.durable and time.monotonic() < deadline:  # step 4 in the store first
+                    time.sleep(0.01)
+                s3_server.stall()
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="lightning_accel"), pytest.raises(SystemExit) as exit_info:
+        fit(url, tmp_path, CutThenSignal(), every_n_steps=4, grace_period_s=4.0)
+    waited = time.monotonic() - started
+    s3_server.restore()
+    assert exit_info.value.code == 75 and exit_info.value.checkpoint == f"{url}/step=00000004.ckpt"
+    missed = [r.getMessage() for r in caplog.records if "did not reach" in r.getMessage()]
+    assert len(missed) == 1 and "step=6" in missed[0] and "the bucket keeps step=4" in missed[0], missed
+    assert waited < 4.0 + 3  # stopped inside the grace period (plus the fit's own start-up)
+    complete = [n for n in objects(bucket, proxy=s3_server) if n.endswith(MANIFEST_SUFFIX)]
+    assert complete == ["step=00000004.ckpt" + MANIFEST_SUFFIX]
+    assert find_resume_checkpoint(url).endswith("step=00000004.ckpt")
+
+
+def test_the_first_save_that_would_not_fit_the_grace_period_warns_with_the_bandwidth(bucket, s3_server, tmp_path):
+    from lightning_accel.checkpoint.bucket import BucketPublisher, Publication
+
+    publisher = BucketPublisher(f"s3://{bucket}/run", keep_last=2, grace_period_s=30)
+    slow = Publication(tmp_path / "step=00000004.ckpt", 4, staged_s=12.0, upload_s=20.0, bytes=400_000_000)
+    with pytest.warns(UserWarning, match=r"12\.0 s to local disk and 20\.0 s to upload 400\.0 MB .*20\.0 MB/s.*30 s"):
+        publisher._warn_if_slow(slow)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        publisher._warn_if_slow(slow)  # once per fit
+        BucketPublisher(f"s3://{bucket}/run", keep_last=2, grace_period_s=60)._warn_if_slow(slow)  # it fits

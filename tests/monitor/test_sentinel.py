@@ -52,15 +52,15 @@ def test_a_rank_stuck_in_its_loader_worker_is_named_dumped_and_the_job_exits_in_
         assert f"HangSentinel (rank {rank}): hang found: rank 1 (host" in output
     hang_started = float((tmp_path / f"hang-started-{mode}").read_text())
     assert ended - hang_started < 3 + 12  # floor_s=3 plus polling, the dumps and torchrun's teardown
-    report = json.loads((tmp_path / "hang" / "report.json").read_text())
+    report = json.loads((tmp_path / "ck" / "hang" / "report.json").read_text())
     assert report["stuck_ranks"] == [1]
     stuck = next(b for b in report["beats"] if b["rank"] == 1)
     assert stuck["phase"] == phase and stuck["batches"] == 12 and stuck["allowance_s"] == 3.0
-    stacks = (tmp_path / "hang" / "rank1.stacks.txt").read_text()
+    stacks = (tmp_path / "ck" / "hang" / "rank1.stacks.txt").read_text()
     assert stacks.startswith("rank 1, host ") and "Thread" in stacks
-    assert (tmp_path / "hang" / "rank0.stacks.txt").exists()
+    assert (tmp_path / "ck" / "hang" / "rank0.stacks.txt").exists()
     assert "in _next_data" in stacks  # the main thread waits for its worker ...
-    workers = (tmp_path / "hang" / "rank1.children.stacks.txt").read_text()
+    workers = (tmp_path / "ck" / "hang" / "rank1.children.stacks.txt").read_text()
     assert "in sleep_forever" in workers and "in __getitem__" in workers  # ... which shows where it is stuck
     assert not list(tmp_path.glob("done-rank*.json"))
 
@@ -72,11 +72,11 @@ def test_torchrun_restarts_a_hung_job_from_its_last_checkpoint_and_it_finishes(t
     line; both ranks exit 76, torchrun restarts the job, which resumes from step 10 and finishes."""
     result = torchrun(tmp_path, "step", "--max-restarts", "1")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    report = json.loads((tmp_path / "hang" / "report.json").read_text())
+    report = json.loads((tmp_path / "ck" / "hang" / "report.json").read_text())
     assert report["stuck_ranks"] == [1]
     stuck = next(b for b in report["beats"] if b["rank"] == 1)
     assert stuck["phase"] == "forward" and stuck["batches"] == 12
-    stacks = (tmp_path / "hang" / "rank1.stacks.txt").read_text()
+    stacks = (tmp_path / "ck" / "hang" / "rank1.stacks.txt").read_text()
     assert "in sleep_forever" in stacks and "in training_step" in stacks  # the line the rank is stuck on
     assert f"exitcode: {HANG_EXIT_CODE}" in result.stderr or f"exitcode  : {HANG_EXIT_CODE}" in result.stderr
     for rank in range(2):

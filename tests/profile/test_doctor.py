@@ -56,6 +56,10 @@ def test_each_kind_is_raised_by_its_evidence_and_ranked_by_share():
     assert kinds(findings)[:2] == ["input", "checkpoint"]
     assert findings[0].share == 0.5 and "num_workers" in findings[0].fix and "DALIImageDataModule" in findings[0].fix
     assert "async_save=True" in findings[1].fix
+    # the same wait on reads from a bucket (GoodputMonitor records the DataModule's URL): the remote-read fixes
+    remote = diagnose({**goodput(data=0.5, compute=0.5), "data_source": "s3://bucket/train"})[0]
+    assert remote.kind == "input" and "reads from s3://bucket/train" in remote.fix
+    assert all(word in remote.fix for word in ("prefetch_queue_depth", "num_threads", "local cache"))
     assert diagnose(goodput(validation=0.3, compute=0.6))[0].kind == "validation"
     # nothing dominates: compute, with its share
     assert kinds(diagnose(goodput(compute=0.9, other=0.05))) == ["compute"]
