@@ -71,10 +71,11 @@ class StepTimes(Callback):
 
 
 class DCPAsyncSave(Callback):
-    """What torch's docs show: ``dcp.async_save`` of the model and optimizer state, one save in flight."""
+    """What torch's docs show: ``dcp.async_save`` of the model and optimizer state, one save in flight. ``folder`` may
+    be a bucket URL: DCP then picks its fsspec writer (benchmarks/object_storage.py)."""
 
-    def __init__(self, folder: Path, every_n_steps: int) -> None:
-        self.folder, self.every = folder, every_n_steps
+    def __init__(self, folder: Path | str, every_n_steps: int) -> None:
+        self.folder, self.every = str(folder).rstrip("/"), every_n_steps
         self.pending: Future | None = None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
@@ -82,7 +83,7 @@ class DCPAsyncSave(Callback):
             return
         self._wait()
         state = {"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}
-        self.pending = dcp.async_save(state, checkpoint_id=self.folder / f"step={trainer.global_step}", no_dist=True)
+        self.pending = dcp.async_save(state, checkpoint_id=f"{self.folder}/step={trainer.global_step}", no_dist=True)
 
     def _wait(self) -> None:
         if self.pending is not None:

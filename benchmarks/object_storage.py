@@ -28,18 +28,16 @@ import shutil
 import statistics
 import tempfile
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import torch
-import torch.distributed.checkpoint as dcp
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from benchmarks.checkpoint_async import MomentumMLP, StepTimes, _time_saving_hook
+from benchmarks.checkpoint_async import DCPAsyncSave, MomentumMLP, StepTimes, _time_saving_hook
 from benchmarks.harness import RESULTS, quiet_trainer, write
 from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.data import SyntheticClassificationDataModule
@@ -47,29 +45,6 @@ from tests.helpers.object_stores import MotoServer, s3_env
 
 VARIANTS = ("none", "ours_local", "ours_bucket", "lightning_s3", "lightning_s3_async", "dcp_async_s3")
 PEERS = ("lightning_s3", "lightning_s3_async", "dcp_async_s3")
-
-
-class DCPAsyncSave(Callback):
-    """``dcp.async_save`` to a bucket URL (DCP's fsspec writer), one save in flight, as torch's docs show."""
-
-    def __init__(self, url: str, every_n_steps: int) -> None:
-        self.url, self.every = url, every_n_steps
-        self.pending: Future | None = None
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.global_step % self.every:
-            return
-        self._wait()
-        state = {"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}
-        self.pending = dcp.async_save(state, checkpoint_id=f"{self.url}/step={trainer.global_step}", no_dist=True)
-
-    def _wait(self) -> None:
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._wait()
 
 
 def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[str, Any]:

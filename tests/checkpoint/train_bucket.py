@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import time
-from pathlib import Path
 
 import torch
-from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
 from lightning_accel.testing import quiet_trainer_kwargs
+from tests.checkpoint.train_resumable import Progress
 
 
 class BucketNet(LightningModule):
@@ -64,20 +62,6 @@ class BucketData(LightningDataModule):
 
     def val_dataloader(self) -> ResumableDataLoader:
         return loaders()[1]
-
-
-class Progress(Callback):
-    """Writes the global step to a file after each batch (write-then-rename) and slows steps down."""
-
-    def __init__(self, path: str | None, delay_s: float) -> None:
-        self.path, self.delay_s = path, delay_s
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.path:
-            tmp = Path(self.path + ".tmp")
-            tmp.write_text(str(trainer.global_step))
-            os.replace(tmp, self.path)
-        time.sleep(self.delay_s)
 
 
 def main() -> None:
