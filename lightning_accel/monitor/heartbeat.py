@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 # Where a rank is inside one training batch, in order: a rank stuck at an earlier point is the one the others
 # wait for (the fast ranks sit in backward's all-reduce while the stuck one is still in its forward or its fetch).
-PHASE_ORDER = {"data": 0, "forward": 1, "backward": 2, "optimizer": 3, "validation": 4, "checkpoint": 5}
+# "finished": the rank's training is over (its last step, or on_train_end): work after it (an export, an upload)
+# is never taken for a hang, and a finished rank's last beat is never overdue
+PHASE_ORDER = {"data": 0, "forward": 1, "backward": 2, "optimizer": 3, "validation": 4, "checkpoint": 5, "finished": 6}
 
 
 @dataclass(frozen=True)

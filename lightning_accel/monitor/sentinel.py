@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import math
 import os
 import signal
 import socket
@@ -108,6 +109,8 @@ class HangSentinel(Callback):
 
     def allowance_s(self) -> float:
         """How long the current phase may go without progress, from this rank's measured times."""
+        if self._phase == "finished":
+            return math.inf  # training is over: what follows (an export, a final upload) is not a step to time
         kind = {"validation": "validation", "checkpoint": "save"}.get(self._phase, "train")
         times = self._times[kind]
         if not times:
@@ -196,7 +199,11 @@ class HangSentinel(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
         self._batches += 1
-        self._finished("train", trainer, "data")
+        last = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+        self._finished("train", trainer, "finished" if last else "data")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._enter("finished")
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._since = time.monotonic()
@@ -247,6 +254,11 @@ class HangSentinel(Callback):
         self._stop.set()
         self._thread.join(timeout=5 * self.poll_s + 1)
         self._thread = None
+        if self._phase == "finished" and not self._hang_found:
+            try:  # the last word for the ranks still watching: finished, so its silence from now on is no hang
+                self._board.publish(self.beat())
+            except Exception as error:
+                log.debug("HangSentinel: could not publish the finished beat (%s)", error)
         if self._child_dump is not None:
             faulthandler.unregister(_CHILD_DUMP_SIGNAL)
             self._child_dump.close()

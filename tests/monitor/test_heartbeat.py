@@ -69,3 +69,15 @@ def test_store_board_publishes_reads_and_keeps_the_first_posted_hang():
     local = LocalBoard()
     local.publish(beat(0, 1, "data"))
     assert local.read() == {0: beat(0, 1, "data")} and local.all_dumped()
+
+
+def test_a_finished_rank_is_never_overdue_and_its_beat_survives_the_store():
+    """A rank whose training is over publishes "finished" with no allowance limit: its silence while another rank
+    exports or uploads after the last step (or after it has ended) is no hang, and the beat goes through JSON."""
+    finished = beat(1, 40, "finished", allowance_s=float("inf"))
+    assert Beat.from_json(finished.to_json()) == finished
+    beats = {0: beat(0, 40, "finished", allowance_s=float("inf")), 1: finished}
+    assert find_hang(beats, {0: 3600.0, 1: 3600.0}, world_size=2, reader=0) is None
+    # a rank still training behind a finished one is still named when it stalls past its allowance
+    beats = {0: beat(0, 39, "forward"), 1: finished}
+    assert find_hang(beats, {0: 5.1, 1: 3600.0}, world_size=2, reader=1).stuck_ranks == [0]

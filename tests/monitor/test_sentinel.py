@@ -203,3 +203,18 @@ def test_a_preemption_caught_in_a_notebook_leaves_no_watchdog_behind(tmp_path):
     assert sentinel._thread is None
     time.sleep(0.5)  # well past the allowance: a live watchdog would have reported (and exited the process)
     assert sentinel.report is None and not (tmp_path / "hang").exists()
+
+
+def test_work_after_the_last_step_is_never_taken_for_a_hang(tmp_path):
+    """An export in on_train_end 10x longer than the step allowance (a final upload to a bucket does the same): the
+    rank is finished, so no hang is found; its last beat, published as the watchdog stops, says so."""
+
+    class SlowExport(Callback):
+        def on_train_end(self, trainer, pl_module):
+            time.sleep(1.5)
+
+    sentinel = HangSentinel(factor=2, floor_s=0.15, startup_s=30, poll_s=0.05, exit_on_hang=False, dirpath=tmp_path)
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=6, callbacks=[SlowExport(), sentinel]))
+    trainer.fit(Quick(), DataLoader(TensorDataset(torch.randn(96, 4)), batch_size=4))
+    assert sentinel.report is None and not (tmp_path / "hang").exists()
+    assert sentinel.beat().phase == "finished" and sentinel.beat().allowance_s == float("inf")
