@@ -118,6 +118,9 @@ class Destination:
             rel = path.relative_to(self.local_dir).as_posix()
             if not is_run_file(rel):
                 continue
+            if time.monotonic() >= deadline:
+                log.warning("run files from %s on stay on local disk only: no time left before the deadline", path)
+                return
             try:
                 retrying(lambda: upload(fs, path, join(root, rel)), outage, f"uploading {rel}", deadline=deadline)  # noqa: B023
             except StoreError as err:
@@ -146,9 +149,10 @@ class Destination:
                 f"step={newest.step}" if newest else "no checkpoint of this fit",
                 self.local_dir,
             )
-        elif queued:
-            log.warning("checkpoint step=%d is in the store with %.1f s of the grace period left", queued[-1], left)
-        self.upload_run_files(deadline)
+        else:  # run files only when the store took the checkpoint in time: a stalled call would outlast the deadline
+            if queued:
+                log.warning("checkpoint step=%d is in the store with %.1f s of the grace period left", queued[-1], left)
+            self.upload_run_files(deadline)
         return newest.url if newest else None
 
     def finish(self) -> None:
