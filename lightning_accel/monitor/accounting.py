@@ -43,6 +43,9 @@ METRIC_KEYS = THROUGHPUT_KEYS + GOODPUT_KEYS + MEMBERSHIP_KEYS + COST_KEYS  # ev
 STRAGGLER_WINDOW = 8  # logging intervals each rank's step time is the median of
 STRAGGLER_RATIO = 1.2  # a rank is a straggler from this ratio of its step time to the other ranks' median ...
 STRAGGLER_MADS = 3.0  # ... when its excess is also above this many (scaled) MADs of theirs: not their own noise
+STRAGGLER_MIN_EXCESS_S = 0.005  # ... and at least this many seconds a step: a 1.3x of a 4 ms window is noise
+STRAGGLER_MIN_INTERVALS = 3  # ... and never before this many intervals (a first step's compile, a one-off)
+STRAGGLER_TWO_RANK_SHARE = 0.75  # with two ranks (one other, no spread): slower in this share of its intervals
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,10 @@ class GoodputAccounting:
         hiccup) names no straggler. The ratio compares the slowest rank with the median of the *other* ranks (with
         two ranks, the other one). The slowest rank is named a straggler when the ratio reaches
         :data:`STRAGGLER_RATIO` and its excess is above :data:`STRAGGLER_MADS` scaled median absolute deviations of
-        the others' times, so a cluster whose ranks all vary widely names no one.
+        the others' times, so a cluster whose ranks all vary widely names no one. With two ranks there is no spread
+        of others: the rank's own history stands in, and it must have been the slower one in
+        :data:`STRAGGLER_TWO_RANK_SHARE` of the intervals. Never from fewer than :data:`STRAGGLER_MIN_INTERVALS`
+        intervals, nor for an excess under :data:`STRAGGLER_MIN_EXCESS_S` a step.
         """
         if self._rank_times and len(self._rank_times[-1]) != len(per_rank):
             self._rank_times.clear()  # another world size: earlier intervals do not compare
@@ -177,9 +183,19 @@ class GoodputAccounting:
         others = [m for r, m in enumerate(medians) if r != self.slowest_rank] or medians
         typical = statistics.median(others)
         self.straggler_ratio = medians[self.slowest_rank] / typical if typical > 0 else 1.0
-        mad = 1.4826 * statistics.median(abs(m - typical) for m in others)  # 1.4826: a standard deviation's scale
         excess = medians[self.slowest_rank] - typical
-        named = self.straggler_ratio >= STRAGGLER_RATIO and excess > STRAGGLER_MADS * mad
+        if len(per_rank) == 2:
+            slower = sum(interval[self.slowest_rank] > interval[1 - self.slowest_rank] for interval in self._rank_times)
+            stands_out = slower >= STRAGGLER_TWO_RANK_SHARE * len(self._rank_times)
+        else:
+            mad = 1.4826 * statistics.median(abs(m - typical) for m in others)  # 1.4826: a standard deviation's scale
+            stands_out = excess > STRAGGLER_MADS * mad
+        named = (
+            len(self._rank_times) >= STRAGGLER_MIN_INTERVALS
+            and self.straggler_ratio >= STRAGGLER_RATIO
+            and excess >= STRAGGLER_MIN_EXCESS_S
+            and stands_out
+        )
         self.straggler_rank = self.slowest_rank if named else None
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_accel.monitor.accounting import STRAGGLER_WINDOW, GoodputAccounting
+from lightning_accel.monitor.accounting import STRAGGLER_MIN_INTERVALS, STRAGGLER_WINDOW, GoodputAccounting
 
 
 def test_one_slow_interval_names_no_straggler_and_a_steadily_slow_rank_is_named():
@@ -37,3 +37,25 @@ def test_a_straggler_must_stand_out_from_the_other_ranks_spread_too():
     assert acc.straggler_rank == 3 and acc.straggler_ratio == pytest.approx(1.3)
     assert acc.rank_step_s == pytest.approx([0.020, 0.021, 0.019, 0.026])
     assert acc.straggler_intervals == STRAGGLER_WINDOW
+
+
+def test_no_straggler_from_a_short_window_a_first_interval_or_two_ranks_taking_turns():
+    """What a balanced short-step run gave (1.2-1.36x of a 4-5 ms window), a 3 s first step on one rank, and two
+    ranks whose slower one changes from interval to interval: none is a straggler. A steadily slower one of two is."""
+    acc = GoodputAccounting()
+    for _ in range(STRAGGLER_WINDOW):
+        acc.set_rank_step_times([0.0040, 0.0054, 0.0041, 0.0040])  # 1.35x, but 1.4 ms a step
+    assert acc.straggler_ratio == pytest.approx(1.35, rel=0.01) and acc.straggler_rank is None
+    first = GoodputAccounting()
+    first.set_rank_step_times([0.050, 3.0])  # one rank's first step compiled for 3 s
+    first.set_rank_step_times([0.050, 0.050])
+    assert first.straggler_rank is None  # two intervals: too few to name anyone
+    assert STRAGGLER_MIN_INTERVALS == 3
+    turns = GoodputAccounting()
+    for i in range(STRAGGLER_WINDOW):
+        turns.set_rank_step_times([0.040, 0.052] if i % 2 else [0.052, 0.040])  # 1.3x, but each rank in turn
+    assert turns.straggler_rank is None
+    steady = GoodputAccounting()
+    for i in range(STRAGGLER_WINDOW):
+        steady.set_rank_step_times([0.040 + 0.002 * (i % 3), 0.052])  # rank 1 slower in every interval
+        assert steady.straggler_rank == (1 if i + 1 >= STRAGGLER_MIN_INTERVALS else None), i
