@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from pathlib import Path
@@ -122,11 +123,47 @@ def fit_with_ray(options: argparse.Namespace, args: list[str]) -> int:
     return 0
 
 
+# Every command, with one line each: `lightning-accel --help` and a mistyped command list them all.
+COMMANDS = {
+    "fit": "train a recipe (--config RECIPE.yaml; --ckpt_path auto resumes from the newest valid checkpoint; "
+    "--ray.num_workers N runs it on Ray Train)",
+    "validate": "validate a recipe's model (LightningCLI's)",
+    "test": "test a recipe's model (LightningCLI's)",
+    "predict": "predict with a recipe's model (LightningCLI's)",
+    "profile": "train a short profiled window of a recipe, then run the doctor on it",
+    "doctor": "rank what a run's goodput ledger and profile say to fix (RUN_DIR: a folder or a bucket URL)",
+    "tune": "measure precision, compile, loader and batch settings on a recipe and write the fastest as a recipe",
+    "torchrun": "torchrun with restarts that resume (exit 75 preempted, 76 hang): torchrun ARGS fit --config ...",
+}
+
+
+def overview() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name.ljust(width)}  {what}" for name, what in COMMANDS.items())
+    return (
+        "usage: lightning-accel COMMAND [ARGS]   (lightning-accel COMMAND --help for a command's options)\n\n"
+        f"commands:\n{rows}\n"
+    )
+
+
+def _check_command(argv: list[str]) -> None:
+    """``--help`` (or nothing): every command; a mistyped command: one line with a did-you-mean, exit 2."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview(), end="")
+        raise SystemExit(0 if argv else 2)
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        print(f"lightning-accel: unknown command {argv[0]!r}.{hint}\n\n{overview()}", end="", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-accel`` console script."""
+    argv = sys.argv[1:] if args is None else args
+    _check_command(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     close_gloo_process_group_at_exit()  # our program: safe for stock strategies on gloo too
-    argv = sys.argv[1:] if args is None else args
     commands = {"doctor": doctor, "profile": profile, "tune": tune_command}
     if argv and argv[0] in commands:
         raise SystemExit(commands[argv[0]](argv[1:]))
@@ -135,8 +172,9 @@ def main(args: list[str] | None = None) -> None:
     ray_options, rest = split_ray_args(argv[1:]) if argv and argv[0] == "fit" else (None, argv)
     if ray_options is not None:
         raise SystemExit(fit_with_ray(ray_options, rest))
-    build_cli(argv)
+    # LightningCLI reads sys.argv itself when given no args (given both, it warns that they differ)
+    build_cli(None if args is None else argv)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -198,3 +198,20 @@ def test_a_corrupt_explicit_ckpt_path_is_one_line_before_anything_unpickles_it(t
         assert exit_info.value.code != 0
         assert f"--ckpt_path {path} is not a usable checkpoint" in err and reason in err, err[-800:]
         assert "weights_only" not in err and "Traceback" not in err
+
+
+def test_help_and_a_mistyped_command_show_every_command(capsys):
+    from lightning_accel.cli import COMMANDS, main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for name in ("fit", "validate", "test", "predict", "profile", "doctor", "tune", "torchrun"):
+        assert f"\n  {name} " in out and name in COMMANDS, name
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fti", "--config", "x.yaml"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("lightning-accel: unknown command 'fti'. Did you mean 'fit'?") and "doctor" in err
+    assert "Traceback" not in err
