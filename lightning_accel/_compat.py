@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any, get_args
 
 import torch
+import torch._dynamo.utils  # (lightning.pytorch imports it anyway)
 import torch.distributed as dist
 from lightning.fabric.connector import _PRECISION_INPUT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -21,6 +22,20 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+# torch's activation-checkpoint wrappers (FSDP's own), in a private module: re-exported for strategies/
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl as CheckpointImpl,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper as CheckpointWrapper,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing as apply_activation_checkpointing,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper as checkpoint_wrapper,
+)
 from torch.distributed.constants import default_pg_timeout
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -285,3 +300,14 @@ def _fit_loop_batch_progress(checkpoint: dict[str, Any]) -> dict[str, Any] | Non
             return None
         progress = progress[key]
     return progress
+
+
+# -- torch's private names for the tests: dynamo's counters and graph breaks (torch.compiler has no public ones) ----
+def dynamo_counters() -> Any:
+    """``torch._dynamo.utils.counters``: how many graphs dynamo captured (``["stats"]["unique_graphs"]``)."""
+    return torch._dynamo.utils.counters
+
+
+def graph_break() -> None:
+    """``torch._dynamo.graph_break()``: a forward dynamo cannot capture as one graph."""
+    torch._dynamo.graph_break()

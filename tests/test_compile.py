@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
+from lightning_accel._compat import dynamo_counters, graph_break
 from lightning_accel.compile import TorchCompile
 from lightning_accel.data import SyntheticClassificationDataModule
 from lightning_accel.models import MLPClassifier
@@ -17,7 +18,7 @@ class GraphBreakMLP(MLPClassifier):
     """A forward that cannot be captured as one graph: fails under fullgraph=True."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.graph_break()
+        graph_break()
         return self.net(x)
 
 
@@ -84,17 +85,16 @@ def test_compiles_beside_a_flop_count_of_the_first_batch(tmp_path):
     """GoodputMonitor counts FLOPs of the first batch under a FlopCounterMode; a compiled forward first called
     under it used to be skipped by dynamo for good (the whole run eager, silently). Now that batch runs
     eagerly and the next one compiles: dynamo captures a graph and the compile time is recorded."""
-    import torch._dynamo
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from lightning_accel.monitor import GoodputMonitor
 
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    torch.compiler.reset()
+    dynamo_counters().clear()
     compile_cb = TorchCompile(backend="eager", fallback=False)
     monitor = GoodputMonitor(summary=False, plot=False, warmup_steps=0)
     trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=4, callbacks=[monitor, compile_cb]))
     trainer.fit(BoringModel())
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert dynamo_counters()["stats"]["unique_graphs"] >= 1
     assert "BoringModel" in compile_cb.compile_time_s and not compile_cb.failed
     assert monitor.flops_per_batch and monitor.flops_per_batch > 0  # the eager first batch was still counted

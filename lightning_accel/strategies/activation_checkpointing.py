@@ -19,14 +19,14 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightning_accel._compat import (
     CheckpointImpl,
     CheckpointWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
 from lightning_accel.strategies.blocks import find_block_classes
 
 log = logging.getLogger(__name__)
