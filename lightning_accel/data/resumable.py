@@ -22,7 +22,7 @@ from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
 
 # Every batch drawn from the iterator has been trained on when a checkpoint is written: Lightning's
 # `_PrefetchDataFetcher` only reads ahead for loaders without a length, and this one always has one.
-# (The bitwise resume test in tests/test_checkpoint.py fails if that ever changes.)
+# (tests/checkpoint/test_preemption.py::test_sigterm_mid_epoch_then_resume_is_bitwise_equal fails if that changes.)
 
 
 class ResumableSampler(DistributedSampler):
