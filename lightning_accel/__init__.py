@@ -6,6 +6,7 @@ Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/arch
 
 from lightning_accel import tune  # a callable package: lightning_accel.tune(...) runs the search
 from lightning_accel.checkpoint import (
+    PREEMPTED_EXIT_CODE,
     AtomicCheckpointIO,
     Preempted,
     PreemptionCheckpoint,
@@ -43,6 +44,7 @@ register_presets()
 __version__ = "0.1.0"
 __all__ = [
     "HANG_EXIT_CODE",
+    "PREEMPTED_EXIT_CODE",
     "PRESETS",
     "ActivationCheckpointing",
     "AtomicCheckpointIO",

@@ -38,7 +38,7 @@ from lightning_accel.checkpoint.retention import KeepLast
 from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng, rng_for_rank
 from lightning_accel.checkpoint.save_timing import SaveTimer
 from lightning_accel.checkpoint.sharded import seal_folder
-from lightning_accel.checkpoint.signals import EXIT_CODE_PREEMPTED, Preempted, StopSignals
+from lightning_accel.checkpoint.signals import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from lightning_accel.checkpoint.world_change import WORLD_KEY, WorldChange, follow_world_change, world_of
 from lightning_accel.ranks import gather_from_ranks
 
@@ -96,7 +96,7 @@ class PreemptionCheckpoint(Callback):
         keep_last: int | None = 3,
         async_save: bool = False,
         exit_on_preempt: bool = True,
-        exit_code: int = EXIT_CODE_PREEMPTED,
+        exit_code: int = PREEMPTED_EXIT_CODE,
         grace_period_s: float = 30.0,
     ) -> None:
         self.destination = Destination(dirpath)  # a bad URL is refused here, before any training

@@ -24,7 +24,8 @@ Handler = Callable[[int, FrameType | None], Any]
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again". Schedulers and wrapper scripts can
 # tell a preempted run (requeue it) from a crash (1) or success (0).
-EXIT_CODE_PREEMPTED = 75
+PREEMPTED_EXIT_CODE = 75  # named like monitor.sentinel.HANG_EXIT_CODE (76); both exported at the top level
+EXIT_CODE_PREEMPTED = PREEMPTED_EXIT_CODE  # the earlier name, kept for scripts that import it
 
 
 class Preempted(SystemExit):

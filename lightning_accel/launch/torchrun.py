@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from lightning_accel.checkpoint import EXIT_CODE_PREEMPTED
+from lightning_accel.checkpoint import PREEMPTED_EXIT_CODE
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,14 @@ def torchrun(argv: list[str]) -> int:
             "torchrun received %s: the workers were told to save and stop; exiting %d (preempted: run the same "
             "command again, --ckpt_path auto resumes from the newest valid checkpoint)",
             signal.Signals(err.sigval).name,
-            EXIT_CODE_PREEMPTED,
+            PREEMPTED_EXIT_CODE,
         )
-        return EXIT_CODE_PREEMPTED
+        return PREEMPTED_EXIT_CODE
     except ChildFailedError as err:
         codes = {failure.exitcode for failure in err.failures.values()}
-        if codes == {EXIT_CODE_PREEMPTED}:
-            log.warning("the workers were preempted and saved; exiting %d", EXIT_CODE_PREEMPTED)
-            return EXIT_CODE_PREEMPTED
+        if codes == {PREEMPTED_EXIT_CODE}:
+            log.warning("the workers were preempted and saved; exiting %d", PREEMPTED_EXIT_CODE)
+            return PREEMPTED_EXIT_CODE
         rank, failure = min(err.failures.items())
         log.error(
             "worker rank %d failed with exit code %s after torchrun's restarts (--max-restarts %s); its output is "

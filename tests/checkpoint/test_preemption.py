@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from lightning_accel.checkpoint import (
-    EXIT_CODE_PREEMPTED,
+    PREEMPTED_EXIT_CODE,
     AtomicCheckpointIO,
     CorruptCheckpointError,
     PreemptionCheckpoint,
@@ -95,7 +95,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_equal(tmp_path, devices, async
     wait_for_step(progress, 27, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == EXIT_CODE_PREEMPTED, out[-3000:]
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
     assert not (tmp_path / "run.pt").exists()  # it stopped before the end
     saved = find_resume_checkpoint(ckpts)
     assert saved is not None
@@ -270,7 +270,7 @@ def test_signal_in_process_stops_after_the_step_and_exits_with_code(tmp_path):
     trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=50, callbacks=[SendSignal(), cb]))
     with pytest.raises(SystemExit) as exc:
         trainer.fit(MLPClassifier(input_dim=8), datamodule=dm)
-    assert exc.value.code == EXIT_CODE_PREEMPTED
+    assert exc.value.code == PREEMPTED_EXIT_CODE
     assert trainer.global_step == 4  # the signalled step finished, nothing after it ran
     assert [p.name for p in cb.saved] == ["step=00000004.ckpt"]
     assert signal.getsignal(signal.SIGTERM) is not cb.stop_signals.handle  # handler removed at teardown

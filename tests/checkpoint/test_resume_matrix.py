@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_accel.checkpoint import EXIT_CODE_PREEMPTED
+from lightning_accel.checkpoint import PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/checkpoint/resume_matrix.py"
@@ -88,7 +88,7 @@ def test_interrupted_runs_end_bitwise_equal_to_the_uninterrupted_run(
             assert interruptions == (
                 3 if name == "three_in_a_row" else 2 if name == "mid_epoch_then_after_resume" else 1
             ), where
-            assert r["codes"] == [EXIT_CODE_PREEMPTED] * interruptions + [0], where
+            assert r["codes"] == [PREEMPTED_EXIT_CODE] * interruptions + [0], where
             assert r["differences"] == [], f"{where}: differs from the uninterrupted run in {r['differences'][:5]}"
             assert r["epoch_values"] == r["reference_epoch_values"], f"{where}: epoch values differ"
             # 3 epochs x (train_loss, accuracy), and a validation every 9 batches when it is on

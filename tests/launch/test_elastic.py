@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_accel.checkpoint import EXIT_CODE_PREEMPTED, PreemptionCheckpoint
+from lightning_accel.checkpoint import PREEMPTED_EXIT_CODE, PreemptionCheckpoint
 from lightning_accel.data import SyntheticClassificationDataModule
 from lightning_accel.launch import torchrun
 from lightning_accel.models import MLPClassifier
@@ -128,7 +128,7 @@ def test_sigterm_to_our_launcher_saves_exits_75_and_the_same_command_resumes(tmp
     proc = start(OURS, root)
     wait_for(root / "ckpt" / "step=00000010.ckpt.manifest.json", proc, root)
     proc.send_signal(signal.SIGTERM)  # the launcher only, as Kubernetes or a spot reclaim does
-    assert wait(proc, root) == EXIT_CODE_PREEMPTED
+    assert wait(proc, root) == PREEMPTED_EXIT_CODE
     log = (root / "log.txt").read_text()
     assert "received SIGTERM: saving a checkpoint at step" in log and "attempt_1" not in log  # no restart
     assert "Traceback" not in log
@@ -191,7 +191,7 @@ def test_a_signal_skips_the_validation_that_was_due(tmp_path):
     trainer = Trainer(**{**kwargs, "callbacks": [Watch(), PreemptionCheckpoint(tmp_path / "ck")]})
     with pytest.raises(SystemExit) as exc:
         trainer.fit(model, datamodule=dm)
-    assert exc.value.code == EXIT_CODE_PREEMPTED and trainer.global_step == 4
+    assert exc.value.code == PREEMPTED_EXIT_CODE and trainer.global_step == 4
     assert 4 not in validations and validations[-1] == 3  # due after step 4, skipped
 
 
