@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 # Nothing in the tests asks a real cloud's metadata server, even on a CI machine in a cloud: PreemptionNotices("auto")
 # and every subprocess the tests start (the guides' examples) see no cloud; the notice tests name theirs explicitly.
 os.environ["LIGHTNING_ACCEL_CLOUD"] = "none"
+# The node cache (staging, downloads, verdicts) of this test session and its subprocesses, not the user's ~/.cache
+os.environ.setdefault("LIGHTNING_ACCEL_CACHE_DIR", tempfile.mkdtemp(prefix="lightning_accel_cache-"))
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 

@@ -32,7 +32,7 @@ from lightning_accel.checkpoint.durable import (
     write_durably,
     write_manifest,
 )
-from lightning_accel.checkpoint.verify import verify
+from lightning_accel.checkpoint.verify import verified_once_per_node
 from lightning_accel.storage import check_storage_url, is_remote
 
 
@@ -166,7 +166,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if is_remote(path):  # a bucket URL: its local copy, downloaded once per node and verified against the store
             check_storage_url(path, "ckpt_path")
             path = fetch_from_bucket(str(path))
-        if Path(path).is_file() and not (verdict := verify(path)):
+        if Path(path).is_file() and not (verdict := verified_once_per_node(Path(path))):  # one read per node
             raise CorruptCheckpointError(
                 f"Checkpoint {path} is not usable: {verdict.reason}. Resume from an earlier checkpoint "
                 "(lightning_accel.find_resume_checkpoint picks the newest valid one)."

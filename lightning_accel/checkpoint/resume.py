@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel.checkpoint.bucket_resume import find_in_bucket
 from lightning_accel.checkpoint.durable import TMP_MARKER, PathLike, read_manifest
-from lightning_accel.checkpoint.verify import verify
+from lightning_accel.checkpoint.verify import verified_once_per_node
 from lightning_accel.storage import check_storage_url, is_remote
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def find_resume_checkpoint(dirpath: PathLike, pattern: str = "*.ckpt") -> str | 
         check_storage_url(str(dirpath))
         return find_in_bucket(str(dirpath), pattern)
     for path in list_checkpoints(dirpath, pattern):
-        verdict = verify(path)
+        verdict = verified_once_per_node(path)
         if not verdict:
             rank_zero_warn(f"Skipping checkpoint {path}: {verdict.reason}")
             continue

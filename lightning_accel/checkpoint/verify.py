@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import zipfile
 import zlib
 from pathlib import Path
@@ -16,6 +18,7 @@ from lightning_accel.checkpoint.durable import (
     read_manifest,
 )
 from lightning_accel.checkpoint.sharded import verify_folder
+from lightning_accel.storage import cache_root, node_lock, parse_json_object
 
 
 def _verify_zip(path: Path, why: str) -> Verdict:
@@ -80,3 +83,22 @@ def verify(path: PathLike, checksum: bool = True) -> Verdict:
     if file_digest(path, kind) != manifest.get(kind):
         return Verdict(False, f"{label} does not match the manifest (file altered or torn)", kind)
     return Verdict(True, checked_by=kind)
+
+
+def verified_once_per_node(path: Path) -> Verdict:
+    """:func:`verify`, done by the first process of this node to ask about ``path`` as it is now (its size and
+    modification time): the others wait on a lock and read its verdict, so eight ranks on a node read a checkpoint
+    once, not eight times. A verdict file that cannot be trusted is verified again."""
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+    record = cache_root() / "verdicts" / f"{key}.json"
+    with node_lock(record.with_suffix(".lock")):
+        try:
+            saved = parse_json_object(record.read_bytes())
+        except OSError:
+            saved = None
+        if saved is not None and isinstance(saved.get("ok"), bool):
+            return Verdict(saved["ok"], str(saved.get("reason", "")), str(saved.get("checked_by", "")))
+        verdict = verify(path)
+        record.write_text(json.dumps({"ok": verdict.ok, "reason": verdict.reason, "checked_by": verdict.checked_by}))
+        return verdict

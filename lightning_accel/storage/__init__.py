@@ -4,7 +4,14 @@ The ``[cloud]`` extra installs the backends (s3fs, gcsfs, adlfs). ``checkpoint/`
 checkpoints through this room; ``monitor/`` and ``profile/`` write their run files through it.
 """
 
-from lightning_accel.storage.node_cache import CACHE_ENV, cache_root, download_dir, fetch_once_per_node, staging_dir
+from lightning_accel.storage.node_cache import (
+    CACHE_ENV,
+    cache_root,
+    download_dir,
+    fetch_once_per_node,
+    node_lock,
+    staging_dir,
+)
 from lightning_accel.storage.transfer import (
     Backoff,
     OutageLog,
@@ -45,6 +52,7 @@ __all__ = [
     "filesystem",
     "is_remote",
     "join",
+    "node_lock",
     "parse_json_object",
     "redact",
     "retrying",

@@ -11,14 +11,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from lightning_accel.storage.urls import url_hash
 
-__all__ = ["CACHE_ENV", "cache_root", "download_dir", "fetch_once_per_node", "staging_dir"]
+__all__ = ["CACHE_ENV", "cache_root", "download_dir", "fetch_once_per_node", "node_lock", "staging_dir"]
 
 CACHE_ENV = "LIGHTNING_ACCEL_CACHE_DIR"
 
@@ -38,7 +38,8 @@ def download_dir(url: str) -> Path:
 
 
 @contextmanager
-def _locked(path: Path):
+def node_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` shared by the processes of this node (``flock``): one at a time inside."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -59,7 +60,7 @@ def fetch_once_per_node(
     """
     marker = local.with_name(f".{local.name}.verified")
     wanted = json.dumps(fingerprint, sort_keys=True, default=str)
-    with _locked(local.with_name(f".{local.name}.lock")):
+    with node_lock(local.with_name(f".{local.name}.lock")):
         if marker.is_file() and marker.read_text() == wanted and local.exists():
             return None
         marker.unlink(missing_ok=True)

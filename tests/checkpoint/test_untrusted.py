@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import warnings
@@ -134,3 +135,25 @@ def test_a_run_resumes_from_a_checkpoint_whose_manifest_is_garbage(tmp_path):
     whole = run(12, None, tmp_path / "whole")
     for key, value in whole.items():
         assert torch.equal(resumed[key], value) and torch.equal(explicit[key], value), key
+
+
+def test_a_checkpoint_is_verified_once_per_node_whatever_the_number_of_readers(tmp_path, monkeypatch):
+    """Every rank of a node searches and loads the same checkpoint: the first reads and checksums it, the others
+    (here: later calls, and AtomicCheckpointIO's load) take its verdict; a file changed since is read again."""
+    from lightning_accel.checkpoint import AtomicCheckpointIO
+
+    verify_module = importlib.import_module("lightning_accel.checkpoint.verify")  # (the package exports verify())
+
+    monkeypatch.setenv("LIGHTNING_ACCEL_CACHE_DIR", str(tmp_path / "node"))
+    reads: list[str] = []
+    real = verify_module.verify
+    monkeypatch.setattr(verify_module, "verify", lambda path, *a, **k: reads.append(Path(path).name) or real(path))
+    (newest,) = write_checkpoints(tmp_path / "ck", (4,))
+    for _ in range(3):  # three ranks' searches
+        assert find_resume_checkpoint(tmp_path / "ck") == str(newest)
+    AtomicCheckpointIO().load_checkpoint(newest)  # and a load
+    assert reads == ["step=00000004.ckpt"]
+    newest.write_bytes(newest.read_bytes()[:-10])  # changed: a new verdict, and not a usable one
+    with pytest.warns(UserWarning, match="Skipping checkpoint"):
+        assert find_resume_checkpoint(tmp_path / "ck") is None
+    assert reads == ["step=00000004.ckpt"] * 2
