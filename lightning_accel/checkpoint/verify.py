@@ -88,7 +88,11 @@ def verify(path: PathLike, checksum: bool = True) -> Verdict:
 def verified_once_per_node(path: Path) -> Verdict:
     """:func:`verify`, done by the first process of this node to ask about ``path`` as it is now (its size and
     modification time): the others wait on a lock and read its verdict, so eight ranks on a node read a checkpoint
-    once, not eight times. A verdict file that cannot be trusted is verified again."""
+    once, not eight times. A verdict file that cannot be trusted is verified again. A sharded folder is verified as
+    it is each time (its files by size, its metadata by checksum: no model-sized read), since a shard changed in
+    place leaves the folder's own size and time as they were."""
+    if not path.is_file():
+        return verify(path)
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:20]
     record = cache_root() / "verdicts" / f"{key}.json"
