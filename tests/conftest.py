@@ -68,12 +68,15 @@ def bucket(s3_server, request, tmp_path, monkeypatch):
     import re
 
     import fsspec
+    import s3fs
 
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{os.getpid()}"
-    fs = fsspec.filesystem("s3")
-    fs.mkdir(name)
+    s3_server.restore()  # forwarding, whatever the test before left
+    # new clients for this test: a test before may have cut the pooled connections of the cached ones (the proxy's
+    # refuse/stall), and with AWS_MAX_ATTEMPTS=1 botocore does not retry a reset one
+    s3fs.S3FileSystem.clear_instance_cache()
+    fsspec.filesystem("s3").mkdir(name)
     monkeypatch.setenv("LIGHTNING_ACCEL_CACHE_DIR", str(tmp_path / "cache"))
-    s3_server.restore()
     return name
 
 

@@ -10,6 +10,7 @@ resumes at another world size exactly as a local one does.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,22 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_accel.checkpoint.bucket import confirm_objects, list_bucket_manifests
 from lightning_accel.checkpoint.durable import MANIFEST_SUFFIX, manifest_path
 from lightning_accel.checkpoint.verify import verify
-from lightning_accel.storage import download, download_dir, fetch_once_per_node, filesystem, join, redact
+from lightning_accel.storage import (
+    OutageLog,
+    download,
+    download_dir,
+    fetch_once_per_node,
+    filesystem,
+    join,
+    redact,
+    retrying,
+)
 
 __all__ = ["fetch_from_bucket", "find_in_bucket"]
 
 log = logging.getLogger(__name__)
+
+LIST_TIMEOUT_S = 60.0  # how long a resume retries listing a bucket that does not answer
 
 
 def _fetch(fs: Any, root: str, name: str, manifest: dict[str, Any], local: Path) -> None:
@@ -53,7 +65,13 @@ def _usable(fs: Any, root: str, name: str, manifest: dict[str, Any], url: str) -
 def find_in_bucket(url: str, pattern: str = "*.ckpt") -> str | None:
     """The local copy of the newest complete checkpoint under ``url`` (downloaded once per node), or ``None``."""
     fs, root = filesystem(url)
-    for _, name, manifest in sorted(list_bucket_manifests(fs, root, pattern), key=lambda c: c[0], reverse=True):
+    listing = retrying(  # a dropped connection or a short outage is retried, a store that stays away is an error
+        lambda: list_bucket_manifests(fs, root, pattern),
+        OutageLog(url),
+        "listing checkpoints",
+        deadline=time.monotonic() + LIST_TIMEOUT_S,
+    )
+    for _, name, manifest in sorted(listing, key=lambda c: c[0], reverse=True):
         where = f"{redact(url)}/{name}"
         problem = confirm_objects(fs, root, name, manifest) or _usable(fs, root, name, manifest, url)
         if problem is not None:

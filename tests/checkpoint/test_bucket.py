@@ -40,7 +40,8 @@ def direct(proxy) -> fsspec.AbstractFileSystem:
 
 
 def objects(bucket: str, prefix: str = "run", proxy=None) -> list[str]:
-    fs = direct(proxy) if proxy is not None else fsspec.filesystem("s3")
+    # (a client of its own: the test may have cut the shared one's pooled connections through the proxy)
+    fs = direct(proxy) if proxy is not None else fsspec.filesystem("s3", skip_instance_cache=True)
     fs.invalidate_cache()
     try:
         return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/{prefix}", detail=False))

@@ -179,6 +179,8 @@ class Proxy:
         self._drop_connections()
 
     def restore(self) -> None:
+        if self.mode == "forward" and self._server is not None:
+            return  # forwarding already: the clients' pooled connections stay good
         self._drop_connections()
         self.mode = "forward"
         if self._server is None:
