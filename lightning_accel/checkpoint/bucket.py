@@ -25,6 +25,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel.checkpoint.durable import MANIFEST_SUFFIX, manifest_path, parse_manifest
+from lightning_accel.checkpoint.sharded import folder_files
 from lightning_accel.storage import (
     Backoff,
     OutageLog,
@@ -153,7 +154,9 @@ class BucketPublisher:
             name = pub.local.name
             objects = [(pub.local, join(self.root, name))]
             if pub.local.is_dir():
-                objects = [(p, join(self.root, name, p.relative_to(pub.local).as_posix())) for p in _files(pub.local)]
+                objects = [
+                    (p, join(self.root, name, p.relative_to(pub.local).as_posix())) for p in folder_files(pub.local)
+                ]
             # the manifest goes last: until it is confirmed in the store, the checkpoint does not count
             objects.append((manifest_path(pub.local), join(self.root, name + MANIFEST_SUFFIX)))
             for local, remote in objects:
@@ -269,10 +272,6 @@ class BucketPublisher:
                 self.outage.failed(err, f"deleting {name}")
                 continue
             del self._ours[name]
-
-
-def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
 def _run_id(local: Path) -> str | None:

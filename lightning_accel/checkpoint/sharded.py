@@ -21,14 +21,15 @@ CHECKSUM_LIMIT = 64 * 2**20  # files up to this size are checksummed: metadata, 
 DCP_METADATA = ".metadata"
 
 
-def _files(folder: Path) -> list[Path]:
+def folder_files(folder: Path) -> list[Path]:
+    """Every file under ``folder``, sorted: what a sealed folder's manifest lists, and what goes to a bucket."""
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
 def seal_folder(folder: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the manifest of a finished checkpoint folder (on one rank, after every rank has written)."""
     files: dict[str, dict[str, Any]] = {}
-    for path in _files(folder):
+    for path in folder_files(folder):
         entry: dict[str, Any] = {"bytes": path.stat().st_size}
         if entry["bytes"] <= CHECKSUM_LIMIT:
             entry[CHECKSUM] = file_digest(path)
