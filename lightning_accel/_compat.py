@@ -287,6 +287,21 @@ def rescale_train_batches(checkpoint: dict[str, Any], saved_world_size: int, wor
     return int(ready)
 
 
+def set_train_batches_done(trainer: Any, ready: int) -> None:
+    """Re-count the restored fit loop's batches of this epoch to ``ready`` per rank (``on_train_start`` of a resume
+    whose per-device batch changed: Lightning reads them when the epoch starts). The run's ``total`` keeps the
+    earlier epochs' batches; the offsets between ready, started, processed and completed, which tell Lightning where
+    the save happened, are kept."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    state = progress.state_dict()
+    current, total = state["current"], state["total"]
+    earlier, was = total["ready"] - current["ready"], current["ready"]
+    for key, count in dict(current).items():
+        current[key] = ready + count - was
+        total[key] = earlier + current[key]
+    progress.load_state_dict(state)
+
+
 def train_batches_in_checkpoint(checkpoint: dict[str, Any]) -> int:
     """This epoch's batches per rank that ``checkpoint`` records as ready (0 when it has no fit loop)."""
     progress = _fit_loop_batch_progress(checkpoint)

@@ -263,6 +263,11 @@ def test_the_fit_loop_batch_counters_a_world_change_recounts_are_where_the_check
     assert counts["current"] == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
     assert _compat.rescale_train_batches(ck, 2, 1) == 8
     assert counts["current"] == counts["total"] == {"ready": 8, "started": 8, "processed": 8, "completed": 7}
+    # the live counters a changed per-device batch re-counts at on_train_start: the same keys, the offset kept
+    _compat.set_train_batches_done(trainer, 2)
+    live = trainer.fit_loop.epoch_loop.batch_progress.state_dict()
+    assert live["current"] == {"ready": 2, "started": 2, "processed": 2, "completed": 2}
+    assert live["total"] == live["current"]  # one epoch so far: no earlier epochs' batches
 
 
 def deepspeed_source(module: str) -> str:

@@ -34,6 +34,14 @@ def flat_loaders(loaders: Any) -> list[Any]:
     return [loaders]
 
 
+def train_batch_size(loaders: Any) -> int | None:
+    """The per-device batch of a fit's one train loader (``trainer.train_dataloader``); ``None`` when there are
+    several loaders or the loader has no integer ``batch_size`` (a batch sampler, an iterable of batches)."""
+    found = [loader for loader in flat_loaders(loaders) if loader is not None]
+    size = getattr(found[0], "batch_size", None) if len(found) == 1 else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 def warn_if_not_resumable(loaders: Any) -> None:
     for loader in flat_loaders(loaders):
         if loader is None:

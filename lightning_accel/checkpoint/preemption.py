@@ -20,6 +20,7 @@ from lightning_accel._compat import (
     validation_due_after_this_batch,
 )
 from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO, install_atomic_io
+from lightning_accel.checkpoint.batch_change import SavedRun, follow_batch_change
 from lightning_accel.checkpoint.destination import Destination
 from lightning_accel.checkpoint.durable import RUN_ID_KEY
 from lightning_accel.checkpoint.epoch_state import (
@@ -51,21 +52,20 @@ VALIDATION_DUE_KEY = "lightning_accel_validation_due"  # validation was due righ
 class PreemptionCheckpoint(Callback):
     """Save a full checkpoint when the job is told to stop, and periodically; exit with a distinct code.
 
-    On one of ``signals`` the handler only raises a flag. Training continues to the next optimizer-step
-    boundary (never inside a gradient-accumulation window), all ranks agree (any rank signalled), a
-    checkpoint ``step=NNNNNNNN.ckpt`` is written, and :class:`Preempted` (``SystemExit(75)``) is raised
-    out of ``trainer.fit()`` at once: no validation pass, no further batch. A signal during validation
-    lets that validation finish first; one before the first training step exits without a new save.
+    On one of ``signals`` the handler only raises a flag. Training continues to the next optimizer-step boundary
+    (never inside a gradient-accumulation window), all ranks agree (any rank signalled), a checkpoint
+    ``step=NNNNNNNN.ckpt`` is written, and :class:`Preempted` (``SystemExit(75)``) is raised out of
+    ``trainer.fit()`` at once: no validation pass, no further batch. A signal during validation lets that validation
+    finish first; one before the first training step exits without a new save.
 
-    Periodic saves (``every_n_steps``, ``every_n_seconds``) also happen at optimizer-step boundaries
-    only. Writes go through :class:`AtomicCheckpointIO` (temp file, fsync, rename, checksum manifest),
-    in a background thread with ``async_save``. The checkpoint carries every rank's RNG state and the
-    interrupted epoch's running logged values and torchmetrics states, so a resumed run reproduces the
-    uninterrupted one bit for bit (weights and epoch values) with a stateful train loader
-    (:class:`ResumableDataLoader`, torchdata's ``StatefulDataLoader``, :class:`DALIImageDataModule`). A
-    validation that was due right after the saved step runs first on resume. While this callback is
-    attached, validation does not advance the training RNG (its RNG state is saved before and restored
-    after every validation run). See docs/checkpointing.md for what is and is not guaranteed.
+    Periodic saves (``every_n_steps``, ``every_n_seconds``) also happen at optimizer-step boundaries only. Writes go
+    through :class:`AtomicCheckpointIO` (temp file, fsync, rename, checksum manifest), in a background thread with
+    ``async_save``. The checkpoint carries every rank's RNG state and the interrupted epoch's running logged values
+    and torchmetrics states, so a resumed run reproduces the uninterrupted one bit for bit (weights and epoch
+    values) with a stateful train loader (:class:`ResumableDataLoader`, torchdata's ``StatefulDataLoader``,
+    :class:`DALIImageDataModule`). A validation that was due right after the saved step runs first on resume. While
+    this callback is attached, validation does not advance the training RNG (its RNG state is saved before and
+    restored after every validation run). See docs/checkpointing.md for what is and is not guaranteed.
 
     ``dirpath`` may be a bucket URL (``s3://``, ``gs://``, ``az://``): checkpoints are staged locally and uploaded in
     the background, manifest last (docs/checkpointing.md, "Checkpoints in a bucket"; :class:`Destination`).
@@ -75,16 +75,15 @@ class PreemptionCheckpoint(Callback):
         signals: Signal names to handle. SIGUSR1 is left to Lightning's SLURM auto-requeue by default.
         every_n_steps: Also save every this many optimizer steps (``None``: off).
         every_n_seconds: Also save at the first step boundary this long after the last save.
-        keep_last: Keep this many newest valid checkpoints of this run; older ones of this run are
-            deleted (``None``: keep all). Files other runs wrote into the same folder are never touched.
+        keep_last: Keep this many newest valid checkpoints of this run; older ones of this run are deleted
+            (``None``: keep all). Files other runs wrote into the same folder are never touched.
         async_save: Write in a background thread; training only stalls for the tensor copy.
-        exit_on_preempt: Raise :class:`Preempted` after a signal-triggered save. ``False``: set
-            ``trainer.should_stop`` instead, so ``fit`` returns normally (Lightning then runs the
-            validation it runs before any early stop).
+        exit_on_preempt: Raise :class:`Preempted` after a signal-triggered save. ``False``: set ``trainer.should_stop``
+            instead, so ``fit`` returns normally (Lightning then runs the validation it runs before any early stop).
         exit_code: Exit status of a preempted run.
-        grace_period_s: Seconds between the signal and SIGKILL where this runs (30: torchrun's shutdown grace
-            and Kubernetes' default ``terminationGracePeriodSeconds``; Slurm's ``--signal=SIGTERM@N`` gives N).
-            Saves are timed to durability; the first one that would not fit warns, with the numbers and fixes.
+        grace_period_s: Seconds between the signal and SIGKILL where this runs (30: torchrun's shutdown grace and
+            Kubernetes' default ``terminationGracePeriodSeconds``; Slurm's ``--signal=SIGTERM@N`` gives N). Saves are
+            timed to durability; the first one that would not fit warns, with the numbers and fixes.
     """
 
     def __init__(
@@ -124,7 +123,8 @@ class PreemptionCheckpoint(Callback):
         self._validation_rng: RNGState | None = None
         self._deferred = False  # a save that fell on an epoch's last batch, done at the next step
         self._world_change: WorldChange | None = None  # this fit resumes a checkpoint written on another world size
-        self._configured_accumulation: int | None = None
+        self._configured_accumulation = 1
+        self._saved: SavedRun | None = None  # what the checkpoint this fit resumes records of its run
         self._pending_epoch_state: list[EpochState] | None = None  # every rank's, until the first resumed batch
         self._pending_results: PendingResults | None = None  # logged values not yet folded into the resumed epoch
         self._validation_due = False  # after the batch being saved by save(); after the one resumed from, on load
@@ -166,11 +166,10 @@ class PreemptionCheckpoint(Callback):
         self.preempted, self.saved, self._deferred = False, [], False
         self.save_timer.reset()
         self.stop_signals.reset()
-        self._world_change = None
+        self._world_change, self._saved = None, None
         # What the user's Trainer says, before a resume on another size changes it (saved with each checkpoint).
         self._configured_accumulation = int(trainer.accumulate_grad_batches)
-        self._pending_epoch_state, self._pending_results = None, None
-        self._validation_due = False
+        self._pending_epoch_state, self._pending_results, self._validation_due = None, None, False
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
         self.retention.reset()
         install_atomic_io(trainer.strategy, self.async_save, fsync=self.destination.url is None)  # bucket: no fsync
@@ -179,9 +178,8 @@ class PreemptionCheckpoint(Callback):
         self.destination.check_writable(trainer, self.run_id, self.keep_last, self.grace_period_s)
 
     def _install_handlers(self, trainer: Trainer) -> None:
-        # Lightning's own SIGTERM handler (installed right before the sanity check) makes the loop raise
-        # SIGTERMException (exit code 0) at the next batch, inside an accumulation window, after a
-        # validation pass: ours replaces it for the fit and calls the handlers that were there before.
+        # Lightning's SIGTERM handler (installed right before the sanity check) makes the loop raise SIGTERMException
+        # (exit 0) at the next batch, inside an accumulation window: ours replaces it and calls the ones there before.
         if not self.stop_signals.install_for_fit(trainer):
             rank_zero_warn(
                 "PreemptionCheckpoint: fit runs off the main thread, where Python cannot install signal "
@@ -202,6 +200,7 @@ class PreemptionCheckpoint(Callback):
             warn_if_epoch_order_is_lost(trainer.train_dataloader, trainer.current_epoch)
         if self._world_change is not None:
             refuse_loaders_that_cannot_follow(trainer.train_dataloader, self._world_change)
+        follow_batch_change(trainer, self._saved, self._configured_accumulation)  # the loader's batch is known now
         warn_about_unsaved_metrics(pl_module)
         if trainer.strategy.reduce_boolean_decision(self.stop_signals.received is not None, all=False):  # any rank
             log.warning("received a stop signal before the first training step: nothing new to save, stopping")
@@ -236,9 +235,9 @@ class PreemptionCheckpoint(Callback):
             self.destination.finish()  # the checkpoints written before the error still reach the store
 
     # -- RNG ----------------------------------------------------------------------------------------
-    # Validation runs with the RNG state of the end of the batch before it, and hands that state back:
-    # the validation loader's iterator (created before on_validation_start) and validation_step draw
-    # from it. Taken at every batch end, since whether validation follows is Lightning's private decision.
+    # Validation runs with the RNG state of the end of the batch before it, and hands that state back: the validation
+    # loader's iterator (created before on_validation_start) and validation_step draw from it. Taken at every batch
+    # end, since whether validation follows is Lightning's private decision.
     def _stash_rng_for_validation(self) -> None:
         self._validation_rng = capture_rng()
 
@@ -387,6 +386,7 @@ class PreemptionCheckpoint(Callback):
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_epoch_state = checkpoint.get(EPOCH_STATE_KEY)
         self._validation_due = bool(checkpoint.get(VALIDATION_DUE_KEY, False))
+        self._saved = SavedRun.of(checkpoint, self.state_key)  # before the world change re-counts its batches
         self._world_change = follow_world_change(trainer, checkpoint, self.state_key)  # before the loops load
 
     # -- state --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel._compat import rescale_train_batches, train_batches_in_checkpoint
+from lightning_accel.checkpoint.loader_state import train_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +25,17 @@ WORLD_KEY = "lightning_accel_world"  # the world size and accumulation that wrot
 CONFIGURED_KEY = "configured_accumulate_grad_batches"  # what that attempt's Trainer(accumulate_grad_batches=) said
 
 
-def world_of(trainer: Trainer, configured_accumulation: int | None = None) -> dict[str, int]:
-    """What a checkpoint records of the run that writes it: its world size and accumulation, and the accumulation
-    its Trainer was given (``configured_accumulation``, before a resume changed it), which tells a later attempt's
-    unchanged script from a new choice."""
+def world_of(trainer: Trainer, configured_accumulation: int | None = None) -> dict[str, int | None]:
+    """What a checkpoint records of the run that writes it: its world size, accumulation and per-device batch (the
+    one train loader's; ``None`` when unknown), and the accumulation its Trainer was given
+    (``configured_accumulation``, before a resume changed it), which tells a later attempt's unchanged script from a
+    new choice."""
     accumulation = int(trainer.accumulate_grad_batches)
     return {
         "world_size": trainer.world_size,
         "accumulate_grad_batches": accumulation,
         CONFIGURED_KEY: configured_accumulation or accumulation,
+        "batch_size": train_batch_size(trainer.train_dataloader),
     }
 
 

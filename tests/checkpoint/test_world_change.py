@@ -22,6 +22,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
 from lightning_accel._compat import FIT_LOOP_BATCH_PROGRESS
 from lightning_accel.checkpoint import atomic_save
+from lightning_accel.checkpoint.batch_change import BatchChange, plan_batch_change
 from lightning_accel.checkpoint.preemption import EPOCH_STATE_KEY
 from lightning_accel.checkpoint.rng import rng_for_rank, seeded_rng
 from lightning_accel.checkpoint.world_change import (
@@ -195,6 +196,94 @@ def test_a_two_rank_checkpoint_resumed_on_one_rank_doubles_the_accumulation_and_
     assert "keeping accumulate_grad_batches=2" in caplog.text
     assert trainer.accumulate_grad_batches == 2 and trainer.global_step == 8
     assert all(torch.equal(t, expected[k]) for k, t in resumed.state_dict().items())
+
+
+class Recording(Net):
+    """Net that records, by optimizer step, which samples (their first feature) each micro-batch trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained: dict[int, list[float]] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.trained.setdefault(self.trainer.global_step + 1, []).extend(batch[0][:, 0].tolist())
+        return super().training_step(batch, batch_idx)
+
+
+def fit_recording(tmp_path, batch: int, max_steps: int, accumulate: int, ckpt_path=None) -> tuple[Trainer, Recording]:
+    torch.manual_seed(0)
+    model = Recording()
+    loader = ResumableDataLoader(data(), batch_size=batch, shuffle=True, seed=2)
+    callbacks = [PreemptionCheckpoint(tmp_path / "ck", every_n_steps=3, keep_last=None)]
+    kwargs = dict(max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=callbacks, limit_val_batches=1)
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, **kwargs))
+    trainer.fit(model, loader, DataLoader(data(16), batch_size=8), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def test_a_changed_per_device_batch_keeps_the_global_batch_and_every_sample_or_is_refused_before_a_step(
+    tmp_path, caplog
+):
+    """The issue's case: two ranks x batch 8 preempted at step 3, resumed on one rank x batch 16 with the two-rank
+    script's accumulate_grad_batches=1. The global batch of 16 holds (no accumulation on top), and every optimizer
+    step to step 8 (past an epoch end) trains the samples of the uninterrupted one-rank x 16 run. The same change
+    at one rank (8 x accumulate 2 -> 16) too. A batch that cannot make the global batch up is refused before a step,
+    naming the sizes that can; so is a loader that saved its position in its own batches."""
+    whole_trainer, whole = fit_recording(tmp_path / "whole", 16, 8, 1)
+    assert sorted(whole.trained) == list(range(1, 9)) and all(len(s) == 16 for s in whole.trained.values())
+    _, first = fit_recording(tmp_path, 8, 3, 2)
+    saved = find_resume_checkpoint(tmp_path / "ck")
+    assert Path(saved).name == "step=00000003.ckpt"
+    assert torch.load(saved, weights_only=False)[WORLD_KEY]["batch_size"] == 8
+    for world in (1, 2):
+        if world == 2:
+            as_if_written_by_two_ranks(saved)  # 2 ranks x 8, accumulating 1
+        caplog.clear()
+        with caplog.at_level("WARNING"), pytest.warns(UserWarning, match="per-device batch of 16 from 8. Exact"):
+            trainer, resumed = fit_recording(tmp_path / f"on{world}", 16, 8, 1 if world == 2 else 2, ckpt_path=saved)
+        assert trainer.accumulate_grad_batches == 1 and trainer.global_step == 8, world
+        assert f"per-device batch 8 -> 16 on {world} -> 1 rank(s)" in caplog.text
+        assert "the global batch is 16 samples (it was 16)" in caplog.text and "from sample 48 " in caplog.text
+        got = {**{step: first.trained[step] for step in (1, 2, 3)}, **resumed.trained}
+        assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in whole.trained.items()}, world
+        assert trainer.current_epoch == whole_trainer.current_epoch
+        assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 8
+    # 12 per device cannot make 16: refused before the first resumed step, with the batches that can
+    with pytest.raises(
+        ValueError, match=r"global batch of 16 samples; a per-device batch of 12 on 1.*in \[1, 2, 4, 8, 16\]"
+    ):
+        fit_recording(tmp_path / "twelve", 12, 8, 1, ckpt_path=saved)
+    assert not (tmp_path / "twelve" / "ck").exists() or not list((tmp_path / "twelve" / "ck").glob("*.ckpt"))
+    stateful = lambda b: StatefulDataLoader(data(), batch_size=b)  # noqa: E731
+    model = Net()
+    trainer = Trainer(
+        **tiny_trainer_kwargs(
+            tmp_path / "sf", max_steps=3, callbacks=[PreemptionCheckpoint(tmp_path / "sf" / "ck", every_n_steps=3)]
+        )
+    )
+    trainer.fit(model, stateful(8))
+    trainer = Trainer(
+        **tiny_trainer_kwargs(tmp_path / "sf2", max_steps=6, callbacks=[PreemptionCheckpoint(tmp_path / "sf2" / "ck")])
+    )
+    with pytest.raises(ValueError, match=r"changed from 8 to 16, but the train loader \(StatefulDataLoader\)"):
+        trainer.fit(Net(), stateful(16), ckpt_path=find_resume_checkpoint(tmp_path / "sf" / "ck"))
+    assert trainer.global_step == 3
+
+
+def test_the_batch_change_arithmetic_keeps_the_global_batch_or_names_the_sizes_that_do():
+    saved = {"world_size": 2, "accumulate_grad_batches": 1}
+    assert plan_batch_change(saved, 8, 6, 16, 1, None) == BatchChange(8, 2, 1, 16, 1, 1, 6)
+    assert plan_batch_change(saved, 8, 6, 4, 1, None) == BatchChange(8, 2, 1, 4, 1, 4, 24)  # halved: accumulate 4
+    assert plan_batch_change({"world_size": 3, "accumulate_grad_batches": 1}, 8, 2, 12, 2, None).accumulation == 1
+    with pytest.raises(ValueError, match=r"global batch of 16 samples.*batch of 16 on 4 rank\(s\).*in \[1, 2, 4\]"):
+        plan_batch_change(saved, 8, 6, 16, 4, None)
+    # the user's own accumulation holds: the global batch changes, the position must still be whole batches
+    mine = plan_batch_change(saved, 8, 6, 16, 1, 2)
+    assert (mine.accumulation, mine.global_batch, mine.saved_global_batch, mine.batches_done) == (2, 32, 16, 6)
+    with pytest.raises(
+        ValueError, match=r"stops 96 samples into its epoch \(6 batch\(es\) of 8 on each of 2.*batches of 10"
+    ):
+        plan_batch_change(saved, 8, 6, 10, 1, 3)
 
 
 def test_a_loader_that_saved_per_rank_positions_is_refused_naming_the_fix(tmp_path):
