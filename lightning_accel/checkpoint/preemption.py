@@ -20,7 +20,6 @@ from lightning_accel._compat import (
     validation_due_after_this_batch,
 )
 from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO, install_atomic_io
-from lightning_accel.checkpoint.batch_change import SavedRun, follow_batch_change
 from lightning_accel.checkpoint.destination import Destination
 from lightning_accel.checkpoint.durable import RUN_ID_KEY
 from lightning_accel.checkpoint.epoch_state import (
@@ -31,16 +30,15 @@ from lightning_accel.checkpoint.epoch_state import (
     warn_about_unsaved_metrics,
 )
 from lightning_accel.checkpoint.loader_state import (
-    refuse_loaders_that_cannot_follow,
     warn_if_epoch_order_is_lost,
     warn_if_not_resumable,
 )
+from lightning_accel.checkpoint.resumed_run import ResumedRun, is_final_step
 from lightning_accel.checkpoint.retention import KeepLast
 from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng, rng_for_rank
 from lightning_accel.checkpoint.save_timing import SaveTimer
 from lightning_accel.checkpoint.sharded import seal_folder
 from lightning_accel.checkpoint.signals import PREEMPTED_EXIT_CODE, Preempted, StopSignals
-from lightning_accel.checkpoint.world_change import WORLD_KEY, WorldChange, follow_world_change, world_of
 from lightning_accel.ranks import gather_from_ranks
 
 log = logging.getLogger(__name__)
@@ -122,9 +120,7 @@ class PreemptionCheckpoint(Callback):
         self._pending_rng: list[RNGState] | None = None
         self._validation_rng: RNGState | None = None
         self._deferred = False  # a save that fell on an epoch's last batch, done at the next step
-        self._world_change: WorldChange | None = None  # this fit resumes a checkpoint written on another world size
-        self._configured_accumulation = 1
-        self._saved: SavedRun | None = None  # what the checkpoint this fit resumes records of its run
+        self.resumed = ResumedRun()  # the shape of the run this fit resumes, followed or refused; a finished run
         self._pending_epoch_state: list[EpochState] | None = None  # every rank's, until the first resumed batch
         self._pending_results: PendingResults | None = None  # logged values not yet folded into the resumed epoch
         self._validation_due = False  # after the batch being saved by save(); after the one resumed from, on load
@@ -166,9 +162,7 @@ class PreemptionCheckpoint(Callback):
         self.preempted, self.saved, self._deferred = False, [], False
         self.save_timer.reset()
         self.stop_signals.reset()
-        self._world_change, self._saved = None, None
-        # What the user's Trainer says, before a resume on another size changes it (saved with each checkpoint).
-        self._configured_accumulation = int(trainer.accumulate_grad_batches)
+        self.resumed.reset(trainer)
         self._pending_epoch_state, self._pending_results, self._validation_due = None, None, False
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
         self.retention.reset()
@@ -198,13 +192,14 @@ class PreemptionCheckpoint(Callback):
         warn_if_not_resumable(trainer.train_dataloader)
         if self._pending_rng is not None:  # resuming
             warn_if_epoch_order_is_lost(trainer.train_dataloader, trainer.current_epoch)
-        if self._world_change is not None:
-            refuse_loaders_that_cannot_follow(trainer.train_dataloader, self._world_change)
-        follow_batch_change(trainer, self._saved, self._configured_accumulation)  # the loader's batch is known now
+        self.resumed.train_starts(trainer)  # a changed world size or per-device batch: followed, or refused now
         warn_about_unsaved_metrics(pl_module)
         if trainer.strategy.reduce_boolean_decision(self.stop_signals.received is not None, all=False):  # any rank
             log.warning("received a stop signal before the first training step: nothing new to save, stopping")
             self._stop(trainer, None)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.resumed.fit_ends(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.stop_signals.restore()
@@ -279,9 +274,12 @@ class PreemptionCheckpoint(Callback):
         if self.every_n_seconds is not None:
             elapsed = time.monotonic() - self._last_save >= self.every_n_seconds
             due = due or trainer.strategy.broadcast(elapsed, src=0)  # rank 0's clock decides for all
-        if not (signalled or due or self._deferred):
+        # The fit's last step is saved too, here where a resume is exact (at on_train_end Lightning has already closed
+        # the epoch): the same command run again then finds a finished run instead of retraining the steps since.
+        final = is_final_step(trainer) and (trainer.global_step == trainer.max_steps or is_last_batch(trainer))
+        if not (signalled or due or self._deferred or final):
             return
-        if is_last_batch(trainer) and not self._is_final_step(trainer):
+        if is_last_batch(trainer) and not is_final_step(trainer):
             # Never at an epoch's last batch: Lightning does not hand stateful loaders their state back
             # when resuming there (a DALI or StatefulDataLoader epoch then starts over from its first
             # order), and resumes such a checkpoint inconsistently. The next epoch's first step is safe.
@@ -301,13 +299,6 @@ class PreemptionCheckpoint(Callback):
         self._stash_rng_for_validation()
         log.info("running the validation that was due after step %d before training on", trainer.global_step)
         run_due_validation(trainer)
-
-    @staticmethod
-    def _is_final_step(trainer: Trainer) -> bool:
-        # No later step to move the save to: the last step of the whole run is saved where it is.
-        by_steps = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
-        by_epochs = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-        return by_steps or by_epochs
 
     def _save_or_stop(self, trainer: Trainer, signalled: bool) -> None:
         if not signalled:
@@ -381,13 +372,12 @@ class PreemptionCheckpoint(Callback):
         checkpoint[RUN_ID_KEY] = self.run_id
         checkpoint[EPOCH_STATE_KEY] = gather_from_ranks(capture_epoch_state(trainer, pl_module))
         checkpoint[VALIDATION_DUE_KEY] = self._validation_due  # True only in save(), at a training batch's end
-        checkpoint[WORLD_KEY] = world_of(trainer, self._configured_accumulation)
+        self.resumed.record(trainer, checkpoint)
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_epoch_state = checkpoint.get(EPOCH_STATE_KEY)
         self._validation_due = bool(checkpoint.get(VALIDATION_DUE_KEY, False))
-        self._saved = SavedRun.of(checkpoint, self.state_key)  # before the world change re-counts its batches
-        self._world_change = follow_world_change(trainer, checkpoint, self.state_key)  # before the loops load
+        self.resumed.loaded(trainer, checkpoint, self.state_key)  # before the loops load
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

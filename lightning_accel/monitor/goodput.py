@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_accel._compat import wrap_validation_runs
+from lightning_accel.checkpoint.resumed_run import nothing_left_to_train
 from lightning_accel.monitor.accounting import METRIC_KEYS, GoodputAccounting, Mark
 from lightning_accel.monitor.batches import default_batch_size, default_tokens
 from lightning_accel.monitor.cost import Pricing, cost_figures
@@ -131,6 +132,7 @@ class GoodputMonitor(Callback):
         self._run_dir: Path | None = None  # run_dir, or where checkpoints or logs go (on_train_start)
         self._hosts: list[str] = []  # every rank's host name (on_train_start)
         self._warned_straggler: int | None = None
+        self._finished_before = False  # this fit resumed a finished run's last checkpoint: nothing is accounted
         if self._counted_flops:
             self.accounting.flops_per_batch = None
 
@@ -194,6 +196,9 @@ class GoodputMonitor(Callback):
             log.warning("membership change: %s so far (the replay is counted as it happens)", change.describe())
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.accounting.resumed and nothing_left_to_train(trainer):
+            self._finished_before = True  # the same command again after the run finished: no attempt, no restart
+            return
         self._run_dir = chosen_run_folder(trainer)  # None: nothing saved and nothing logged, no files
         self._hosts = gather_from_ranks(socket.gethostname())
         start = trainer.global_step
@@ -345,6 +350,8 @@ class GoodputMonitor(Callback):
             self.results.update(self._costs(trainer, self.results))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._finished_before:  # goodput.json and the loggers keep the finished run's values
+            return
         self._finish(trainer)
         self._publish(trainer, self.results)  # before Lightning tears the loggers down
 

@@ -27,6 +27,8 @@ from lightning_accel.checkpoint import (
     verify,
 )
 from lightning_accel.checkpoint.durable import manifest_path
+from lightning_accel.data import ResumableDataLoader
+from lightning_accel.monitor import GoodputMonitor
 from tests.conftest import SigtermAt, tiny_trainer_kwargs
 
 
@@ -212,7 +214,73 @@ def test_periodic_save_after_resume_inside_accumulation_does_not_overwrite(tmp_p
         Wide(width=16), train_dataloaders=loader(), ckpt_path=str(saved)
     )
     assert json.loads(manifest_path(saved).read_text())["xxh3_64"] == before
-    assert second.saved == []  # step 8 was never reached
+    assert [p.name for p in second.saved] == ["step=00000006.ckpt"]  # step 8 was never reached: the fit's end only
+
+
+def test_a_finished_fit_ends_with_a_checkpoint_and_the_same_command_again_trains_nothing_and_loses_nothing(
+    tmp_path, caplog
+):
+    """max_steps 7 with saves every 5 steps ends with step 7 saved (it was step 5: a rerun retrained 2 steps and the
+    ledger counted a restart and lost work). The same command again, twice: it says the run had finished, trains
+    nothing, keeps the weights, and goodput.json still counts no restart and no lost step. Raising max_steps trains on
+    from the end bitwise as an uninterrupted run does. Saves every 60 steps with max_steps 3 still leave step 3; a
+    fit ended by max_epochs is saved at its last batch and taken on to another epoch bitwise too."""
+    data = TensorDataset(torch.randn(96, 8, generator=torch.Generator().manual_seed(0)), torch.randint(0, 2, (96,)))
+
+    def fit(folder: Path, max_steps: int, ckpt_path=None, every: int = 5, epochs=None) -> tuple[Trainer, Wide]:
+        torch.manual_seed(0)
+        model = Wide(width=16)
+        callbacks = [
+            PreemptionCheckpoint(folder / "ck", every_n_steps=every, keep_last=None),
+            GoodputMonitor(warmup_steps=0, summary=False, plot=False, run_dir=folder / "run"),
+        ]
+        trainer = Trainer(**tiny_trainer_kwargs(folder, max_steps=max_steps, max_epochs=epochs, callbacks=callbacks))
+        trainer.fit(model, ResumableDataLoader(data, batch_size=16, seed=1), ckpt_path=ckpt_path)
+        return trainer, model
+
+    def saved(folder: Path) -> list[str]:
+        return sorted(p.name for p in (folder / "ck").glob("*.ckpt"))
+
+    _, first = fit(tmp_path / "a", 7)
+    assert saved(tmp_path / "a") == ["step=00000005.ckpt", "step=00000007.ckpt"]
+    ledger = json.loads((tmp_path / "a" / "run" / "goodput.json").read_text())
+    assert (ledger["goodput/restarts"], ledger["goodput/lost_steps"]) == (0, 0)
+    for attempt in range(2):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            trainer, again = fit(tmp_path / "a", 7, ckpt_path=find_resume_checkpoint(tmp_path / "a" / "ck"))
+        assert "this run had finished: the checkpoint it resumed ends the fit at step 7" in caplog.text, attempt
+        assert trainer.global_step == 7 and saved(tmp_path / "a") == ["step=00000005.ckpt", "step=00000007.ckpt"]
+        assert all(
+            torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True)
+        )
+        assert json.loads((tmp_path / "a" / "run" / "goodput.json").read_text()) == ledger
+    _, whole = fit(tmp_path / "whole", 10)
+    _, longer = fit(tmp_path / "a", 10, ckpt_path=find_resume_checkpoint(tmp_path / "a" / "ck"))
+    assert all(
+        torch.equal(a, b) for a, b in zip(whole.state_dict().values(), longer.state_dict().values(), strict=True)
+    )
+    fit(tmp_path / "rare", 3, every=60)
+    assert saved(tmp_path / "rare") == ["step=00000003.ckpt"]
+    # ended by max_epochs (6 steps an epoch): the last batch of the last epoch is saved, and a run taken on to a
+    # second epoch from it is the two-epoch run
+    fit(tmp_path / "epoch", -1, every=60, epochs=1)
+    assert saved(tmp_path / "epoch") == ["step=00000006.ckpt"]
+    ledger = json.loads((tmp_path / "epoch" / "run" / "goodput.json").read_text())
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        trainer, _ = fit(
+            tmp_path / "epoch", -1, every=60, epochs=1, ckpt_path=find_resume_checkpoint(tmp_path / "epoch" / "ck")
+        )
+    assert "the checkpoint it resumed ends the fit at step 6" in caplog.text and trainer.global_step == 6
+    assert json.loads((tmp_path / "epoch" / "run" / "goodput.json").read_text()) == ledger  # no restart, no loss
+    _, whole = fit(tmp_path / "two", -1, every=60, epochs=2)
+    _, longer = fit(
+        tmp_path / "epoch", -1, every=60, epochs=2, ckpt_path=find_resume_checkpoint(tmp_path / "epoch" / "ck")
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(whole.state_dict().values(), longer.state_dict().values(), strict=True)
+    )
 
 
 def test_stateful_loader_whose_sampler_lightning_wrapped_is_flagged():
