@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import time
 
 import pytest
 import torch
@@ -74,8 +75,15 @@ def bucket(s3_server, request, tmp_path, monkeypatch):
     s3_server.restore()  # forwarding, whatever the test before left
     # new clients for this test: a test before may have cut the pooled connections of the cached ones (the proxy's
     # refuse/stall), and with AWS_MAX_ATTEMPTS=1 botocore does not retry a reset one
-    s3fs.S3FileSystem.clear_instance_cache()
-    fsspec.filesystem("s3").mkdir(name)
+    for attempt in range(3):  # a loaded machine's server may reset one connection: the tests allow no retries
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            fsspec.filesystem("s3").mkdir(name)
+            break
+        except Exception:  # s3fs passes botocore's EndpointConnectionError through as it is
+            if attempt == 2:
+                raise
+            time.sleep(1.0)
     monkeypatch.setenv("LIGHTNING_ACCEL_CACHE_DIR", str(tmp_path / "cache"))
     return name
 

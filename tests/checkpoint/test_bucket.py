@@ -138,13 +138,14 @@ def test_sigterm_exits_75_with_the_checkpoint_in_the_bucket_and_empty_machines_r
     assert code == 0, out[-3000:]
     assert f"resuming from {tmp_path / 'c3'}" in out and complete in out.split("resuming from")[1].splitlines()[0]
     assert_bitwise(tmp_path / "c.pt", tmp_path / "ref.pt")
-    # keep_last=2 in the bucket: the run's last two, each with its manifest
+    # keep_last=2 in the bucket: the run's last two (the periodic one at 28, and the fit's end at 30), with manifests
     final = [n for n in objects(bucket) if n.endswith(".ckpt")]
-    assert final == ["step=00000024.ckpt", "step=00000028.ckpt"], f"{final}\n{first_out[-3000:]}\n{out[-4000:]}"
+    assert final == ["step=00000028.ckpt", "step=00000030.ckpt"], f"{final}\n{first_out[-3000:]}\n{out[-4000:]}"
 
 
 class OutageAt(Callback):
-    """Refuses connections to the store from the start of step ``cut`` until step ``back``."""
+    """Refuses connections to the store from the start of step ``cut`` until step ``back``, and at ``back`` until an
+    upload has met the outage (a fast fit could otherwise pass the window before the upload thread tries)."""
 
     def __init__(self, proxy, cut: int, back: int) -> None:
         self.proxy, self.cut, self.back = proxy, cut, back
@@ -153,6 +154,12 @@ class OutageAt(Callback):
         if trainer.global_step == self.cut and self.proxy.mode == "forward":
             self.proxy.refuse()
         if trainer.global_step == self.back and self.proxy.mode != "forward":
+            checkpoint = next(c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint))
+            outage = checkpoint.destination.publisher.outage
+            deadline = time.monotonic() + 60
+            while outage.since is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert outage.since is not None, "no upload met the outage within 60 s"
             self.proxy.restore()
 
 

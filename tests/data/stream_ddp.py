@@ -52,13 +52,15 @@ class Loader(ResumableStreamLoader):
 def main(out: Path, phase: str, stop_at: int | None) -> None:
     torch.manual_seed(0)
     model = Net()
-    callbacks = [PreemptionCheckpoint(out / "ck"), *([SigtermRank1At(stop_at)] if phase == "cut" else [])]
+    # the uninterrupted run keeps its own folder: its final checkpoint would be the newest the resume finds
+    folder = out / ("ck-whole" if phase == "whole" else "ck")
+    callbacks = [PreemptionCheckpoint(folder), *([SigtermRank1At(stop_at)] if phase == "cut" else [])]
     trainer = Trainer(
         **quiet_trainer_kwargs(
             accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, default_root_dir=str(out), callbacks=callbacks
         )
     )
-    ckpt = str(find_resume_checkpoint(out / "ck")) if phase == "resume" else None
+    ckpt = str(find_resume_checkpoint(folder)) if phase == "resume" else None
     try:
         trainer.fit(model, Loader(), ckpt_path=ckpt)
     except Preempted:
