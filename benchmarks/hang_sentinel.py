@@ -110,19 +110,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def poll_seconds(sentinel: HangSentinel) -> float:
-    """One watchdog cycle on the job's store, after the fit (the store is still up): publish, read, check."""
+    """One judging watchdog cycle on the job's store, after the fit (the store is still up): publish, read every
+    beat, post the verdict (rank 0's; the others only publish and read the verdict)."""
     import torch.distributed as dist
 
     from lightning_accel._compat import default_store
-    from lightning_accel.monitor.heartbeat import StoreBoard
+    from lightning_accel.monitor.heartbeat import StoreBoard, Watch
 
-    board = StoreBoard(default_store(), dist.get_world_size(), prefix="benchmark")
+    watch = Watch(StoreBoard(default_store(), dist.get_world_size(), prefix="benchmark"), 0, dist.get_world_size())
     beat = sentinel.beat()
     start = time.perf_counter()
     for _ in range(100):
-        board.publish(beat)
-        board.read()
-        board.posted_hang()
+        watch.poll(beat)
     return (time.perf_counter() - start) / 100
 
 

@@ -2,17 +2,21 @@
 
 Each rank publishes a :class:`Beat` (what it has finished, the phase it is in, how long that phase may take) on a
 :class:`Board`: the job's own c10d store under torch.distributed (torchrun's or the strategy's TCPStore; no new
-server), a dict in one process. Every rank's watchdog reads all beats and judges them with :func:`find_hang`.
-Staleness is measured on the reader's own monotonic clock (when it last saw a rank's progress counter change),
-so hosts with skewed wall clocks judge alike.
+server), a dict in one process. One rank judges (:class:`Watch`): it reads every beat, judges them with
+:func:`find_hang` and posts a :class:`Verdict`; every other rank only publishes its beat and reads the verdict. So
+the store serves O(W) keys a poll in all, not W^2. Staleness is measured on the judge's own monotonic clock (when
+it last saw a rank's progress counter change), so hosts with skewed wall clocks judge alike.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 # Where a rank is inside one training batch, in order: a rank stuck at an earlier point is the one the others
 # wait for (the fast ranks sit in backward's all-reduce while the stuck one is still in its forward or its fetch).
@@ -82,23 +86,41 @@ class HangReport:
         return json.dumps(asdict(self), indent=2)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What the judging rank posts each poll: who judges, a tick that shows it is alive, and the hang once found."""
+
+    judge: int
+    tick: int
+    hang: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Verdict:
+        return cls(**json.loads(text))
+
+
 class Board(Protocol):
-    """Where beats are published and read, and where the first rank to find a hang posts it."""
+    """Where beats are published and read, where the judging rank posts its verdict, and who has dumped."""
 
     def publish(self, beat: Beat) -> None: ...
     def read(self) -> dict[int, Beat]: ...
-    def post_hang(self, report: HangReport) -> None: ...
-    def posted_hang(self) -> HangReport | None: ...
+    def read_verdict(self) -> str | None: ...
+    def swap_verdict(self, expected: str, desired: str) -> str: ...
     def mark_dumped(self, rank: int) -> None: ...
     def all_dumped(self) -> bool: ...
 
 
 class LocalBoard:
-    """One process: the beats live in this object."""
+    """One process (or a test's simulated ranks): the beats and the verdict live in this object."""
 
-    def __init__(self) -> None:
+    def __init__(self, world_size: int = 1) -> None:
+        self.world_size = world_size
         self.beats: dict[int, Beat] = {}
-        self.hang: HangReport | None = None
+        self.verdict: str | None = None
+        self.dumped: set[int] = set()
 
     def publish(self, beat: Beat) -> None:
         self.beats[beat.rank] = beat
@@ -106,27 +128,31 @@ class LocalBoard:
     def read(self) -> dict[int, Beat]:
         return dict(self.beats)
 
-    def post_hang(self, report: HangReport) -> None:
-        self.hang = report
+    def read_verdict(self) -> str | None:
+        return self.verdict
 
-    def posted_hang(self) -> HangReport | None:
-        return self.hang
+    def swap_verdict(self, expected: str, desired: str) -> str:
+        if (self.verdict or "") == expected:
+            self.verdict = desired
+        return self.verdict or ""
 
     def mark_dumped(self, rank: int) -> None:
-        pass
+        self.dumped.add(rank)
 
     def all_dumped(self) -> bool:
-        return True
+        return len(self.dumped) >= self.world_size
 
 
 class StoreBoard:
-    """The job's c10d store: one key per rank under ``prefix``, plus the posted hang and who has dumped.
+    """The job's c10d store: one key per rank's beat under ``prefix``, the verdict, and a count of ranks dumped.
 
-    Reads check for keys before getting them: a ``get`` of a missing key would block for the store's timeout.
+    Every operation is O(1) store work except :meth:`read` (O(W) keys in one round trip), which only the judging
+    rank calls. A ``get`` of a missing key would block for the store's timeout: keys are checked until they exist.
     """
 
     def __init__(self, store: Any, world_size: int, prefix: str) -> None:
         self.store, self.world_size, self.prefix = store, world_size, prefix
+        self._verdict_exists = False  # never deleted once posted: checked until then, read directly after
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -143,21 +169,23 @@ class StoreBoard:
         beats = [Beat.from_json(v) for v in self.store.multi_get(present)]
         return {b.rank: b for b in beats}
 
-    def post_hang(self, report: HangReport) -> None:
-        # compare_set: the first report posted is the one every rank acts on
-        self.store.compare_set(self._key("hang"), "", report.to_json())
-
-    def posted_hang(self) -> HangReport | None:
-        key = self._key("hang")
-        if not self.store.check([key]):
+    def read_verdict(self) -> str | None:
+        key = self._key("verdict")
+        if not self._verdict_exists and not self.store.check([key]):
             return None
-        return HangReport(**json.loads(self.store.get(key)))
+        self._verdict_exists = True
+        return self.store.get(key).decode()
+
+    def swap_verdict(self, expected: str, desired: str) -> str:
+        # compare_set: the verdict changes only from what this judge last saw, so two judges never both win
+        current = self.store.compare_set(self._key("verdict"), expected, desired)
+        return current.decode() if isinstance(current, bytes) else str(current)
 
     def mark_dumped(self, rank: int) -> None:
-        self.store.set(self._key(f"dumped/{rank}"), "1")
+        self.store.add(self._key("dumped"), 1)
 
     def all_dumped(self) -> bool:
-        return self.store.check([self._key(f"dumped/{r}") for r in range(self.world_size)])
+        return self.store.add(self._key("dumped"), 0) >= self.world_size
 
 
 class StallClock:
@@ -167,12 +195,19 @@ class StallClock:
         self.clock = clock
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (progress, when it was first seen)
 
+        self._silent_since: dict[int, float] = {}  # ranks known silent before this clock first sees their beat
+
+    def seed(self, rank: int, since: float) -> None:
+        """Count ``rank`` as without progress since ``since`` from its first beat seen (a judge taking over from a
+        silent one keeps the time it has already waited)."""
+        self._silent_since[rank] = since
+
     def stalled(self, beats: dict[int, Beat]) -> dict[int, float]:
         now = self.clock()
         stalls = {}
         for rank, beat in beats.items():
-            progress, since = self._seen.get(rank, (None, now))
-            if progress != beat.progress:
+            progress, since = self._seen.get(rank, (None, self._silent_since.pop(rank, now)))
+            if progress is not None and progress != beat.progress:
                 since = now
             self._seen[rank] = (beat.progress, since)
             stalls[rank] = now - since
@@ -195,3 +230,75 @@ def find_hang(beats: dict[int, Beat], stalled: dict[int, float], world_size: int
     return HangReport(
         stuck_ranks=stuck, beats=rows, detected_by=reader, overdue_ranks=sorted(overdue), missing_ranks=missing
     )
+
+
+class Watch:
+    """One rank's side of the hang watch, one poll at a time: no thread and no Trainer (``HangSentinel``'s watchdog
+    thread calls :meth:`poll`; tests and ``benchmarks/scale.py`` drive many simulated ranks through it).
+
+    Rank 0 judges: each poll it reads every beat (O(W) keys in one round trip), judges them, and posts a
+    :class:`Verdict` whose tick shows it is alive. Every other rank publishes its beat and reads the verdict: two
+    store operations a poll, whatever W. A judge that goes silent does not blind the job: rank ``r`` takes over after
+    ``(r - judge) x takeover_s`` without a new tick (the next rank first), and counts the silent judge's rank as
+    without progress for as long as it has waited. Two judges never both post: a verdict changes only from the value
+    its poster last saw (compare-and-set), and a judge that finds another's verdict steps down.
+    """
+
+    def __init__(
+        self, board: Board, rank: int, world_size: int, takeover_s: float = 30.0, clock: Any = time.monotonic
+    ) -> None:
+        self.board, self.rank, self.world_size, self.takeover_s, self.clock = board, rank, world_size, takeover_s, clock
+        self.judge = 0
+        self.stalls = StallClock(clock)
+        self._tick = 0
+        self._posted = ""  # the verdict this rank last saw as judge (what compare-and-set expects)
+        self._heard: tuple[tuple[int, int] | None, float] = (None, clock())  # the judge's last (rank, tick), when
+
+    @property
+    def judging(self) -> bool:
+        return self.judge == self.rank
+
+    def poll(self, beat: Beat) -> HangReport | None:
+        """Publish ``beat``; judge or follow. The hang to act on, once one is found (by this rank or the judge)."""
+        self.board.publish(beat)
+        return self._judge() if self.judging else self._follow()
+
+    def _judge(self) -> HangReport | None:
+        beats = self.board.read()
+        report = find_hang(beats, self.stalls.stalled(beats), self.world_size, self.rank)
+        self._tick += 1
+        desired = Verdict(self.rank, self._tick, asdict(report) if report else None).to_json()
+        current = self.board.swap_verdict(self._posted, desired)
+        if current == desired:
+            self._posted = desired
+            return report
+        other = Verdict.from_json(current)  # another rank posted since: its hang, or its judging, holds
+        if other.hang is not None:
+            return HangReport(**other.hang)
+        if other.judge != self.rank:
+            log.info("HangSentinel: rank %d judges now; rank %d stands down", other.judge, self.rank)
+            self.judge, self._heard = other.judge, ((other.judge, other.tick), self.clock())
+        self._posted = current
+        return None
+
+    def _follow(self) -> HangReport | None:
+        raw, now = self.board.read_verdict(), self.clock()
+        if raw is not None:
+            verdict = Verdict.from_json(raw)
+            if verdict.hang is not None:
+                return HangReport(**verdict.hang)
+            self.judge = verdict.judge
+            if (verdict.judge, verdict.tick) != self._heard[0]:
+                self._heard = ((verdict.judge, verdict.tick), now)
+        silent = now - self._heard[1]
+        if silent <= ((self.rank - self.judge) % self.world_size) * self.takeover_s:
+            return None
+        log.warning(
+            "HangSentinel: rank %d's judging went silent %.0f s ago; rank %d judges from now on",
+            self.judge,
+            silent,
+            self.rank,
+        )
+        self.stalls.seed(self.judge, now - silent)
+        self.judge, self._posted = self.rank, raw or ""
+        return self._judge()

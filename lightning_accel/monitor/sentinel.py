@@ -2,8 +2,9 @@
 
 A rank stuck in a collective, a deadlocked loader or an endless ``training_step`` leaves the others waiting until
 the process group's timeout (gloo 30 min, NCCL 10 min). Here every rank's hooks record where it is (cheap: a few
-attribute writes per hook), a watchdog thread per rank publishes that as a heartbeat on the job's own c10d store
-and reads every rank's, and when a rank has made no progress for longer than its phase allows, every rank dumps
+attribute writes per hook), a watchdog thread per rank publishes that as a heartbeat on the job's own c10d store,
+rank 0's judges every rank's and posts a verdict the others read (another rank takes over if it goes silent), and
+when a rank has made no progress for longer than its phase allows, every rank dumps
 all its threads' Python stacks (``faulthandler``) and, on CUDA, NCCL's flight recorder into ``<run>/hang/``,
 the report names the rank(s) the others wait for, and each process exits with :data:`HANG_EXIT_CODE`, so
 torchrun or Ray restart the job from its last checkpoint.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import socket
@@ -30,7 +32,7 @@ import psutil
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_accel._compat import default_store, nccl_flight_recorder_dump
-from lightning_accel.monitor.heartbeat import Beat, Board, HangReport, LocalBoard, StallClock, StoreBoard, find_hang
+from lightning_accel.monitor.heartbeat import Beat, Board, HangReport, LocalBoard, StoreBoard, Watch
 from lightning_accel.monitor.run_folder import run_folder
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ class HangSentinel(Callback):
         floor_s: The smallest allowance, whatever the measured times (noise on tiny steps is no hang).
         startup_s: The allowance for what has no measured time yet: the first training batch of an attempt
             (first compile, first collectives), the first validation batch and the first checkpoint save.
-        poll_s: How often the watchdog publishes this rank's heartbeat and reads the others'. Default:
+        poll_s: How often the watchdog publishes this rank's heartbeat and reads the verdict (rank 0: judges every
+            rank's beats). Default:
             ``floor_s / 4`` capped at 1 s.
         exit_on_hang: Exit with :data:`HANG_EXIT_CODE` once the stacks are dumped. ``False`` only reports (the
             job then waits on, up to the collective timeout).
@@ -157,7 +160,7 @@ class HangSentinel(Callback):
         """Ask this rank's child processes (loader workers) for their stacks, and copy them next to ours."""
         if self._child_dump is None:
             return
-        children = psutil.Process().children(recursive=True)
+        children = _worker_processes()
         for child in children:
             try:
                 os.kill(child.pid, _CHILD_DUMP_SIGNAL)
@@ -266,18 +269,12 @@ class HangSentinel(Callback):
 
     # -- the watchdog thread --------------------------------------------------------------------------------
     def _watch(self) -> None:
-        clock = StallClock()
+        # rank 0 judges every beat; the others read its verdict (O(W) store work a poll in all: heartbeat.Watch)
+        watch = Watch(self._board, self._rank, self._world, takeover_s=max(30.0, 10 * self.poll_s))
         failures = 0
         while not self._stop.wait(self.poll_s):
             try:
-                self._board.publish(self.beat())
-                report = self._board.posted_hang()
-                if report is None:
-                    beats = self._board.read()
-                    report = find_hang(beats, clock.stalled(beats), self._world, self._rank)
-                    if report is not None:
-                        self._board.post_hang(report)
-                        report = self._board.posted_hang() or report  # another rank may have posted first
+                report = watch.poll(self.beat())
                 failures = 0
             except Exception as error:  # the store went away (a rank ended or died): nothing left to watch
                 failures += 1
@@ -331,9 +328,23 @@ class HangSentinel(Callback):
         sys.stderr.flush()
         # a loader worker stuck in user code never checks that its parent is gone: end it, or it lives on as an
         # orphan holding memory (and the launcher's output pipes)
-        for child in psutil.Process().children(recursive=True):
+        for child in _worker_processes():
             try:
                 child.kill()
             except psutil.Error:
                 pass
         os._exit(HANG_EXIT_CODE)  # the main thread is stuck: only a hard exit ends this process
+
+
+def _worker_processes() -> list[psutil.Process]:
+    """This process's multiprocessing children (loader workers) and theirs: the processes a hang dump asks for
+    stacks and a hang exit ends. Other children (a server the user started with ``subprocess``) are left alone:
+    the dump signal's default action would end them."""
+    found = []
+    for child in multiprocessing.active_children():
+        try:
+            process = psutil.Process(child.pid)
+            found += [process, *process.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return found

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from lightning_accel.monitor.heartbeat import Beat, LocalBoard, StallClock, StoreBoard, find_hang
+from lightning_accel.monitor.heartbeat import Beat, LocalBoard, StallClock, StoreBoard, Verdict, Watch, find_hang
 
 
 def beat(rank: int, batches: int, phase: str, progress: int = 1, allowance_s: float = 5.0) -> Beat:
@@ -48,27 +48,130 @@ def test_stalls_are_timed_on_the_readers_clock_from_the_last_change_of_progress(
     assert clock.stalled({0: beat(0, 2, "forward", progress=2)}) == {0: 6.5}
 
 
-def test_store_board_publishes_reads_and_keeps_the_first_posted_hang():
+def test_store_board_publishes_reads_and_lets_only_one_verdict_win():
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
     board = StoreBoard(store, world_size=2, prefix="p/0/1")
-    assert board.read() == {} and board.posted_hang() is None  # no key yet, and no blocking get
+    assert board.read() == {} and board.read_verdict() is None  # no key yet, and no blocking get
     board.publish(beat(1, 4, "backward"))
     assert board.read() == {1: beat(1, 4, "backward")}
     board.publish(beat(0, 5, "data"))
     assert board.read() == {0: beat(0, 5, "data"), 1: beat(1, 4, "backward")}
-    first = find_hang(board.read(), {0: 9, 1: 9}, world_size=2, reader=0)
-    second = find_hang(board.read(), {0: 9, 1: 9}, world_size=2, reader=1)
-    board.post_hang(first)
-    board.post_hang(second)
-    assert board.posted_hang() == first
-    assert StoreBoard(store, world_size=2, prefix="p/1/1").posted_hang() is None  # a restart reads its own keys
+    first, second = Verdict(0, 1).to_json(), Verdict(1, 1).to_json()
+    assert board.swap_verdict("", first) == first
+    assert board.swap_verdict("", second) == first  # the second poster saw no verdict: it does not win
+    assert board.read_verdict() == first
+    assert StoreBoard(store, world_size=2, prefix="p/1/1").read_verdict() is None  # a restart reads its own keys
     assert not board.all_dumped()
     board.mark_dumped(0)
     board.mark_dumped(1)
     assert board.all_dumped()
     local = LocalBoard()
     local.publish(beat(0, 1, "data"))
-    assert local.read() == {0: beat(0, 1, "data")} and local.all_dumped()
+    assert local.read() == {0: beat(0, 1, "data")} and not local.all_dumped()
+    local.mark_dumped(0)
+    assert local.all_dumped()
+
+
+class CountingStore:
+    """A real TCPStore client that counts the operations and the keys each one touches."""
+
+    def __init__(self, store) -> None:
+        self.store, self.ops, self.keys = store, 0, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args):
+            self.ops += 1
+            self.keys += len(args[0]) if isinstance(args[0], list) else 1
+            return method(*args)
+
+        return counted
+
+
+def simulated_ranks(world: int, clock, takeover_s: float = 30.0):
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    counting = CountingStore(store)
+    board = StoreBoard(counting, world_size=world, prefix="sim")
+    return counting, [Watch(board, r, world, takeover_s=takeover_s, clock=clock) for r in range(world)]
+
+
+def test_one_rank_judges_so_a_poll_costs_the_store_o_w_and_a_hang_reaches_every_rank():
+    """64 simulated ranks on one real TCPStore: a steady poll is 2 operations a rank plus the judge's O(W) read,
+    64 x 2 + 2 operations and 4 x 64 keys, not 64^2. Rank 37 stops making progress: the judge names it the
+    first poll its stall passes its allowance, and every rank polling after it reads that report."""
+    now = [0.0]
+    counting, watches = simulated_ranks(64, lambda: now[0])
+    progress = dict.fromkeys(range(64), 0)
+
+    def poll_all():
+        reports = {}
+        for w in watches:
+            report = w.poll(beat(w.rank, progress[w.rank], "forward", progress=progress[w.rank], allowance_s=5.0))
+            if report is not None:
+                reports[w.rank] = report
+        return reports
+
+    for _ in range(3):  # warm: every key exists
+        now[0] += 1.0
+        for r in progress:
+            progress[r] += 1
+        assert poll_all() == {}
+    counting.ops = counting.keys = 0
+    now[0] += 1.0
+    for r in progress:
+        progress[r] += 1
+    assert poll_all() == {}
+    assert (counting.ops, counting.keys) == (64 * 2 + 2, 64 * 4)  # 64 beats, 63 verdicts; the judge's 64 x 2 + 1
+    reports: dict = {}
+    for _ in range(8):
+        now[0] += 1.0
+        for r in progress:
+            progress[r] += r != 37
+        reports = poll_all()
+        if reports:
+            break
+    # its last progress was published at t=4, which the judge (polling first in a round) reads at t=5: past 5 s at 11
+    assert now[0] == 11.0
+    # the judge names it, and every rank polling after it (here: the same round) reads the same report
+    assert set(reports) == set(range(64))
+    assert all(r.stuck_ranks == [37] and r.detected_by == 0 for r in reports.values())
+
+
+def test_a_silent_judge_is_replaced_by_the_next_rank_which_still_finds_the_hang():
+    """The judge (rank 0) dies: its beat and its verdict's tick stop. Rank 1 takes over after takeover_s of silence
+    (rank 2 would after twice that), counts rank 0 as silent since its last tick, and names it once that passes
+    its allowance; rank 2 then reads rank 1's verdict. A judge that comes back late steps down."""
+    now = [0.0]
+    _, watches = simulated_ranks(3, lambda: now[0], takeover_s=3.0)
+
+    def poll(ranks, batches, phase="forward"):
+        return {r: watches[r].poll(beat(r, batches, phase, progress=batches, allowance_s=5.0)) for r in ranks}
+
+    for t in range(1, 4):
+        now[0] = float(t)
+        assert poll([0, 1, 2], t) == dict.fromkeys([0, 1, 2])
+    found = {}
+    for t in range(4, 20):
+        now[0] = float(t)
+        # rank 0 is gone in batch 3's forward; 1 and 2 wait in its backward (its all-reduce)
+        found = {r: rep for r, rep in poll([1, 2], 3, "backward").items() if rep is not None}
+        if found:
+            break
+    assert watches[1].judging and not watches[2].judging
+    assert now[0] <= 3.0 + 5.0 + 2.0  # within the allowance (5 s) of rank 0's last progress, plus a poll or two
+    assert found[1].stuck_ranks == [0] and found[1].detected_by == 1
+    now[0] += 1.0
+    assert poll([2], 3, "backward")[2].stuck_ranks == [0]
+    # a judge that was only slow to start: it finds another's verdict and follows it
+    now = [0.0]
+    _, watches = simulated_ranks(2, lambda: now[0], takeover_s=3.0)
+    for t in range(1, 6):
+        now[0] = float(t)
+        watches[1].poll(beat(1, t, "forward", progress=t))
+    assert watches[1].judging
+    now[0] = 6.0
+    assert watches[0].poll(beat(0, 1, "forward", progress=1)) is None and not watches[0].judging
 
 
 def test_a_finished_rank_is_never_overdue_and_its_beat_survives_the_store():

@@ -112,8 +112,14 @@ def test_one_process_hang_is_reported_with_its_stack_and_allowances_follow_measu
     trainer = Trainer(
         **tiny_trainer_kwargs(tmp_path, max_steps=8, val_check_interval=4, limit_val_batches=2, callbacks=callbacks)
     )
+    # a process of the user's own (a server started with subprocess): the dump signal is for loader workers only
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     started = time.monotonic()
-    trainer.fit(Sleepy(sentinel), data, data)
+    try:
+        trainer.fit(Sleepy(sentinel), data, data)
+        assert bystander.poll() is None, "the hang dump ended a child process that is no loader worker"
+    finally:
+        bystander.kill()
     assert time.monotonic() - started < 10
     report = sentinel.report
     assert report is not None and report.stuck_ranks == [0] and report.missing_ranks == []
