@@ -15,7 +15,8 @@ import numpy as np
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from PIL import Image
 
-from lightning_accel.data.resumable import cut_slots, deal_slots, epoch_order, slots_per_rank
+from lightning_accel.data.global_order import LEGACY_ORDER_VERSION, ORDER_VERSION, DealtSlots, EpochOrder
+from lightning_accel.data.resumable import slots_per_rank
 from lightning_accel.ranks import gather_from_ranks
 from lightning_accel.storage import check_storage_url, filesystem, is_remote
 
@@ -122,38 +123,44 @@ class DealtArraySource:
         self.batch_size, self.shard_id, self.num_shards = batch_size, shard_id, num_shards
         self.shuffle, self.seed, self.last_batch = shuffle, seed, last_batch
         self.first_epoch, self.first_slot = 0, 0  # where the pipeline's epoch 0 starts in the global order
-        self._cached: tuple[int, list[list[int]]] | None = None  # one epoch's batches, not one permutation per call
+        self.order_version = ORDER_VERSION  # a state from an earlier release sets the order it was made with
+        self._cached: tuple[int, DealtSlots, EpochOrder] | None = None  # the pipeline epoch's slots and order
 
     def start_at(self, epoch: int, slot: int) -> None:
         """Make the pipeline's first epoch be ``epoch``, from global slot ``slot`` on (the slots before it trained)."""
         self.first_epoch, self.first_slot, self._cached = epoch, slot, None
 
-    def global_slots(self, epoch: int) -> list[list[int]]:
-        """Epoch ``epoch``'s order in slots; with ``fill`` a short last slot repeats its last sample (DALI's FILL)."""
-        order = epoch_order(len(self.images), self.seed, epoch, self.shuffle)
-        slots = cut_slots(order, self.batch_size, drop_last=self.last_batch == "drop")
-        if self.last_batch == "fill" and slots and len(slots[-1]) < self.batch_size:
-            slots[-1] = slots[-1] + slots[-1][-1:] * (self.batch_size - len(slots[-1]))
-        return slots
+    def set_order_version(self, version: int) -> None:
+        """Deal from the order a loader state was saved in (:mod:`~lightning_accel.data.global_order`)."""
+        EpochOrder(0, 0, 0, True, version)  # an unknown version is refused here
+        self.order_version, self._cached = version, None
 
-    def batches(self, pipeline_epoch: int) -> list[list[int]]:
-        """This rank's batches (sample indices) in the pipeline's epoch ``pipeline_epoch``."""
+    def _rank_slots(self, pipeline_epoch: int) -> tuple[DealtSlots, EpochOrder]:
+        """This rank's slots in the pipeline's epoch ``pipeline_epoch`` and that epoch's order (computed per batch;
+        with ``fill`` a short last slot repeats its last sample, as DALI's FILL does)."""
         if self._cached is None or self._cached[0] != pipeline_epoch:
             start = self.first_slot if pipeline_epoch == 0 else 0
-            slots = self.global_slots(self.first_epoch + pipeline_epoch)
-            mine = deal_slots(slots, start, self.num_shards, self.shard_id, drop_last=self.last_batch == "drop")
-            self._cached = (pipeline_epoch, mine)
-        return self._cached[1]
+            n, epoch = len(self.images), self.first_epoch + pipeline_epoch
+            drop, fill = self.last_batch == "drop", self.last_batch == "fill"
+            mine = DealtSlots(n, self.batch_size, drop, start, self.num_shards, self.shard_id, fill=fill)
+            order = EpochOrder(n, self.seed, epoch, self.shuffle, self.order_version)
+            self._cached = (pipeline_epoch, mine, order)
+        return self._cached[1], self._cached[2]
+
+    def batches(self, pipeline_epoch: int) -> list[list[int]]:
+        """This rank's batches (sample indices) in the pipeline's epoch ``pipeline_epoch`` (O(epoch): for tests)."""
+        mine, order = self._rank_slots(pipeline_epoch)
+        return [mine.batch(order, k) for k in range(len(mine))]
 
     def num_batches(self) -> int:
         """Batches one rank sees in a whole epoch: the same on every rank, and the same every epoch."""
         return slots_per_rank(len(self.images), self.batch_size, self.num_shards, self.last_batch == "drop")
 
     def __call__(self, info: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        batches = self.batches(info.epoch_idx)
-        if info.iteration >= len(batches):
+        mine, order = self._rank_slots(info.epoch_idx)
+        if info.iteration >= len(mine):
             raise StopIteration  # DALI starts the next epoch (info.epoch_idx + 1) at the next call
-        idx = batches[info.iteration]
+        idx = mine.batch(order, info.iteration)
         return [self.images[i] for i in idx], [self.labels[i : i + 1] for i in idx]
 
 
@@ -231,6 +238,7 @@ class DALILoader:
         if self.dealt is not None:
             first = {"epoch": self.dealt.first_epoch, "slot": self.dealt.first_slot}
             state.update(batch_size=self.dealt.batch_size, position=self._global_position(), pipeline_start=first)
+            state["order"] = self.dealt.order_version
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -240,6 +248,8 @@ class DALILoader:
         if not checkpoints:
             raise ValueError(f"DALILoader state has no DALI checkpoint: got keys {sorted(state)}")
         saved_world = int(state.get("world_size", len(checkpoints)))
+        if self.dealt is not None:  # a state without a version: the earlier release's order, kept for this run
+            self.dealt.set_order_version(int(state.get("order", LEGACY_ORDER_VERSION)))
         if saved_world != self.num_shards and self.follows_world_size and "position" in state:
             self._go_on_from(state, saved_world)
             return

@@ -10,6 +10,7 @@ position saved is a point in that order, and a resume on another number of ranks
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from lightning_accel.data.global_order import LEGACY_ORDER_VERSION, ORDER_VERSION, DealtSlots, EpochOrder
 from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
+
+log = logging.getLogger(__name__)
 
 # Every batch drawn from the iterator has been trained on when a checkpoint is written: Lightning's
 # `_PrefetchDataFetcher` only reads ahead for loaders without a length, and this one always has one.
@@ -29,11 +33,12 @@ class ResumableSampler(DistributedSampler):
     """Seeded sampler over one global order per epoch, dealt to the ranks a batch at a time, that can start its
     next epoch anywhere in that order.
 
-    The epoch's order is a permutation seeded by ``seed`` and the epoch only, never by the number of ranks. It is
-    cut into slots of ``batch_size`` samples, dealt round robin: rank ``r`` of ``W`` trains slots ``r``, ``r + W``,
+    The epoch's order is a keyed permutation of the dataset seeded by ``seed`` and the epoch only, never by the number
+    of ranks (:class:`~lightning_accel.data.global_order.EpochOrder`: computed per index in O(1) memory). It is cut
+    into slots of ``batch_size`` samples, dealt round robin: rank ``r`` of ``W`` trains slots ``r``, ``r + W``,
     ``r + 2W``... So what a run has consumed is always a prefix of the global order, at any world size, and a run
     resumed on another number of ranks trains the rest of the epoch from where the saved one stopped, in the same
-    batches (:meth:`start_next_epoch_at`). With ``batch_size=1`` this is ``DistributedSampler``'s own split.
+    batches (:meth:`start_next_epoch_at`).
 
     Every rank gets as many slots: when they do not deal evenly, the epoch's first slots are dealt again (as
     ``DistributedSampler`` pads), or with ``drop_last`` the last incomplete slot and the uneven rest are dropped.
@@ -60,7 +65,9 @@ class ResumableSampler(DistributedSampler):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.batch_size = batch_size
+        self.order_version = ORDER_VERSION  # a loader state from an earlier release sets the order it was made with
         self._start_slot = 0
+        self._order: EpochOrder | None = None  # the epoch's, kept while the epoch and version stay
         self._follow_process_group()
 
     def _follow_process_group(self) -> None:
@@ -78,10 +85,19 @@ class ResumableSampler(DistributedSampler):
         n = len(self.dataset)  # type: ignore[arg-type]
         return slots_per_rank(n, self.batch_size, self.world_size, self.drop_last) * self.batch_size
 
+    def epoch_order(self) -> EpochOrder:
+        """This epoch's global order (position -> sample index)."""
+        key = (len(self.dataset), self.seed, int(self.epoch), self.shuffle, self.order_version)  # type: ignore[arg-type]
+        if self._order is None or self._key != key:
+            self._order, self._key = EpochOrder(*key), key
+        return self._order
+
     def global_slots(self) -> list[list[int]]:
-        """This epoch's order cut into slots of ``batch_size`` (the last one short unless ``drop_last``)."""
-        order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)  # type: ignore[arg-type]
-        return cut_slots(order, self.batch_size, self.drop_last)
+        """This epoch's order cut into slots of ``batch_size`` (the last one short unless ``drop_last``). O(n): for
+        inspection and tests; iterating the sampler never builds it."""
+        order = self.epoch_order().as_list()
+        slots = slot_count(len(order), self.batch_size, self.drop_last)
+        return [order[i * self.batch_size : (i + 1) * self.batch_size] for i in range(slots)]
 
     def start_next_epoch_at(self, slot: int) -> None:
         """Make the next ``__iter__`` deal the global order from ``slot`` on (slots before it were trained)."""
@@ -89,15 +105,9 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         start, self._start_slot = self._start_slot, 0
-        mine = deal_slots(self.global_slots(), start, self.world_size, self.rank, self.drop_last)
-        return iter([index for slot in mine for index in slot])
-
-
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """Epoch ``epoch``'s global order: ``DistributedSampler``'s permutation (seed and epoch only), or ``0..n-1``."""
-    if not shuffle:
-        return list(range(n))
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        n = len(self.dataset)  # type: ignore[arg-type]
+        mine = DealtSlots(n, self.batch_size, self.drop_last, start, self.world_size, self.rank)
+        return mine.indices(self.epoch_order())
 
 
 def slot_count(n: int, batch_size: int, drop_last: bool) -> int:
@@ -106,27 +116,9 @@ def slot_count(n: int, batch_size: int, drop_last: bool) -> int:
 
 
 def slots_per_rank(n: int, batch_size: int, replicas: int, drop_last: bool) -> int:
-    """Slots each of ``replicas`` ranks is dealt in a whole epoch (:func:`deal_slots`): the same on every rank."""
+    """Slots each of ``replicas`` ranks is dealt in a whole epoch (:class:`DealtSlots`): the same on every rank."""
     slots = slot_count(n, batch_size, drop_last)
     return slots // replicas if drop_last else math.ceil(slots / replicas)
-
-
-def cut_slots(order: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
-    """``order`` cut into slots of ``batch_size``: the last one short, or dropped with ``drop_last``."""
-    return [order[i * batch_size : (i + 1) * batch_size] for i in range(slot_count(len(order), batch_size, drop_last))]
-
-
-def deal_slots(slots: list[list[int]], start: int, replicas: int, rank: int, drop_last: bool) -> list[list[int]]:
-    """Rank ``rank``'s slots of ``slots[start:]`` dealt round robin to ``replicas`` ranks, every rank as many: the
-    uneven rest dropped with ``drop_last``, else the epoch's first slots dealt again (as ``DistributedSampler`` pads).
-    """
-    rest = slots[start:]
-    uneven = len(rest) % replicas
-    if uneven and drop_last:
-        rest = rest[: len(rest) - uneven]
-    elif uneven and slots:
-        rest += [slots[i % len(slots)] for i in range(replicas - uneven)]
-    return rest[rank::replicas]
 
 
 class ResumableDataLoader(DataLoader):
@@ -221,13 +213,18 @@ class ResumableDataLoader(DataLoader):
         self._exhausted = True
 
     def state_dict(self) -> dict[str, int]:
-        """Where the next batch comes from: the epoch, the batches of it each rank has trained on, and the world size
-        and batch size that counted them (``batches_consumed x world_size`` slots of the global order are done).
+        """Where the next batch comes from: the epoch, the batches of it each rank has trained on, the world size and
+        batch size that counted them (``batches_consumed x world_size`` slots of the global order are done), and the
+        version of the order (:data:`~lightning_accel.data.global_order.ORDER_VERSION`).
 
         After the last batch of an epoch this points at the start of the next one.
         """
         epoch = int(self.sampler.epoch)
-        sizes = {"world_size": self.sampler.world_size, "batch_size": int(self.batch_size)}
+        sizes = {
+            "world_size": self.sampler.world_size,
+            "batch_size": int(self.batch_size),
+            "order": self.sampler.order_version,  # which permutation the position is a point in
+        }
         # At the epoch's last batch the iterator has not raised StopIteration yet, but nothing is left.
         if self._exhausted or self._yielded >= len(self):
             return {"epoch": epoch + 1, "batches_consumed": 0, **sizes}
@@ -244,3 +241,13 @@ class ResumableDataLoader(DataLoader):
             raise ValueError(f"ResumableDataLoader state is missing {sorted(missing)}: got {state}")
         self.sampler.set_epoch(int(state["epoch"]))
         self._resume_at = {key: int(value) for key, value in state.items()}
+        version = self._resume_at.get("order", LEGACY_ORDER_VERSION)  # a state without one: the earlier release's
+        EpochOrder(0, 0, 0, True, version)  # an unknown version is refused here, before training
+        if version != self.sampler.order_version:
+            log.info(
+                "ResumableDataLoader: the checkpoint's position is in the order of version %d (%s); this run keeps "
+                "that order, so it resumes exactly",
+                version,
+                "torch.randperm per epoch" if version == LEGACY_ORDER_VERSION else "a keyed Feistel permutation",
+            )
+        self.sampler.order_version = version

@@ -90,14 +90,14 @@ def test_a_loader_saved_on_two_ranks_goes_on_at_one_and_refuses_a_split_that_doe
     iterators = [iter(loader) for loader in ranks]
     seen = [[next(it) for _ in range(2)] for it in iterators]  # two batches on each rank: slots 0-3
     state = ranks[0].state_dict()
-    assert state == {"epoch": 0, "batches_consumed": 2, "world_size": 2, "batch_size": 4}
+    assert state == {"epoch": 0, "batches_consumed": 2, "world_size": 2, "batch_size": 4, "order": 2}
     one = ResumableDataLoader(data, 4, seed=1)
     one.load_state_dict(state)
     rest = list(one)
     assert len(one) == 10 and len(rest) == 6  # the epoch's 10 batches, 4 of them done
     done = torch.cat([seen[0][0], seen[1][0], seen[0][1], seen[1][1]])
     assert sorted(torch.cat([done, *rest]).tolist()) == list(range(40))  # every sample once, none twice
-    assert one.state_dict() == {"epoch": 1, "batches_consumed": 0, "world_size": 1, "batch_size": 4}
+    assert one.state_dict() == {"epoch": 1, "batches_consumed": 0, "world_size": 1, "batch_size": 4, "order": 2}
     three = ResumableDataLoader(data, 4, seed=1, sampler=ResumableSampler(data, seed=1, num_replicas=3, rank=0))
     three.load_state_dict(state)
     with pytest.raises(

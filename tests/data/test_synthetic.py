@@ -44,7 +44,7 @@ def test_resumable_loader_skips_consumed_batches_of_same_epoch():
     it = iter(first)
     seen = [next(it).tolist() for _ in range(2)]
     state = first.state_dict()
-    assert state == {"epoch": 2, "batches_consumed": 2, "world_size": 1, "batch_size": 4}
+    assert state == {"epoch": 2, "batches_consumed": 2, "world_size": 1, "batch_size": 4, "order": 2}
 
     resumed = ResumableDataLoader(data, batch_size=4, seed=7)
     resumed.load_state_dict(state)  # sets the epoch itself: Lightning iterates before set_epoch on resume
@@ -54,6 +54,7 @@ def test_resumable_loader_skips_consumed_batches_of_same_epoch():
         "batches_consumed": 0,
         "world_size": 1,
         "batch_size": 4,
+        "order": 2,
     }  # exhausted: next epoch's start
 
 
