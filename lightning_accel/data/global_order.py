@@ -161,9 +161,12 @@ class DealtSlots:
         return grid[grid < self.n]
 
     def indices(self, order: EpochOrder, chunk_slots: int = 4096) -> Iterator[int]:
-        """This rank's sample indices, computed ``chunk_slots`` slots at a time."""
-        for first in range(0, self.count, chunk_slots):
-            yield from order.at(self.positions(first, first + chunk_slots)).tolist()
+        """This rank's sample indices, computed a chunk of slots at a time: one slot first (the first batch comes at
+        once), then twice as many each time, up to ``chunk_slots``."""
+        first, size = 0, 1
+        while first < self.count:
+            yield from order.at(self.positions(first, first + size)).tolist()
+            first, size = first + size, min(2 * size, chunk_slots)
 
     def batch(self, order: EpochOrder, k: int) -> list[int]:
         """The sample indices of this rank's slot ``k``."""

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import IO, Any
@@ -33,11 +34,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_accel._compat import default_store, nccl_flight_recorder_dump
 from lightning_accel.monitor.heartbeat import Beat, Board, HangReport, LocalBoard, StoreBoard, Watch
+from lightning_accel.monitor.node_board import NodeBoard, node_folder
 from lightning_accel.monitor.run_folder import run_folder
 
 log = logging.getLogger(__name__)
 
 HANG_EXIT_CODE = 76  # every process of a hung job exits with this (EX_PROTOCOL: the ranks stopped answering)
+VERDICT_EVERY_S = 5.0  # a node's leader reads the judge's verdict this often: a hang found on another node waits
 _WINDOW = 32  # measured durations each allowance is the median (checkpoints: the longest) of
 # Loader workers forked after setup inherit faulthandler's registration for this signal and its file: on a hang
 # each child is sent it and writes its own stacks there (a worker blocked in __getitem__ shows the blocking line).
@@ -78,6 +81,7 @@ class HangSentinel(Callback):
             raise ValueError(f"HangSentinel: poll_s must be > 0, got {poll_s}")
         self.factor, self.floor_s, self.startup_s = factor, floor_s, startup_s
         self.poll_s = poll_s if poll_s is not None else min(1.0, floor_s / 4)
+        self.takeover_s = max(30.0, 10 * self.poll_s)  # a judge silent this long is replaced (heartbeat.Watch)
         self.exit_on_hang = exit_on_hang
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.report: HangReport | None = None  # set once a hang is found and its stacks are dumped
@@ -187,7 +191,27 @@ class HangSentinel(Callback):
         except (AttributeError, RuntimeError, NotImplementedError):
             pass
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job must not read old beats
-        return StoreBoard(store, trainer.world_size, prefix=f"lightning_accel/sentinel/{restart}/{self._fits}")
+        prefix = f"lightning_accel/sentinel/{restart}/{self._fits}"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or trainer.num_devices
+        if local_world <= 1 or trainer.world_size % local_world:
+            return StoreBoard(store, trainer.world_size, prefix=prefix)  # one rank a node: its own key
+        # A node's ranks meet in a folder on the node and its leader alone talks to the store (monitor/node_board.py).
+        # The folder's name is the job's: rank 0's token, which every rank reads (two jobs may share a node).
+        token = store.compare_set(f"{prefix}/job", "", uuid.uuid4().hex)
+        job = token.decode() if isinstance(token, bytes) else str(token)
+        node = trainer.global_rank // local_world
+        return NodeBoard(
+            store,
+            prefix,
+            node_folder(Path(tempfile.gettempdir()), job, node),
+            rank=trainer.global_rank,
+            node=node,
+            nodes=trainer.world_size // local_world,
+            local_rank=trainer.global_rank % local_world,
+            local_world=local_world,
+            lead_takeover_s=self.takeover_s / (local_world + 1),  # a node changes leader before the job its judge
+            verdict_every_s=VERDICT_EVERY_S,
+        )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._enter("forward")
@@ -270,7 +294,7 @@ class HangSentinel(Callback):
     # -- the watchdog thread --------------------------------------------------------------------------------
     def _watch(self) -> None:
         # rank 0 judges every beat; the others read its verdict (O(W) store work a poll in all: heartbeat.Watch)
-        watch = Watch(self._board, self._rank, self._world, takeover_s=max(30.0, 10 * self.poll_s))
+        watch = Watch(self._board, self._rank, self._world, takeover_s=self.takeover_s)
         failures = 0
         while not self._stop.wait(self.poll_s):
             try:

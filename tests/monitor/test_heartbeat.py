@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from lightning_accel.monitor.heartbeat import Beat, LocalBoard, StallClock, StoreBoard, Verdict, Watch, find_hang
+from lightning_accel.monitor.node_board import NodeBoard, node_folder
 
 
 def beat(rank: int, batches: int, phase: str, progress: int = 1, allowance_s: float = 5.0) -> Beat:
@@ -184,3 +185,77 @@ def test_a_finished_rank_is_never_overdue_and_its_beat_survives_the_store():
     # a rank still training behind a finished one is still named when it stalls past its allowance
     beats = {0: beat(0, 39, "forward"), 1: finished}
     assert find_hang(beats, {0: 5.1, 1: 3600.0}, world_size=2, reader=1).stuck_ranks == [0]
+
+
+def node_ranks(tmp_path, nodes: int, per_node: int, clock, takeover_s: float = 30.0, verdict_every_s: float = 0.0):
+    """``nodes`` x ``per_node`` simulated ranks on one real TCPStore, each node's ranks meeting in their folder."""
+    store = CountingStore(dist.TCPStore("127.0.0.1", 0, 1, True))
+    watches = []
+    for rank in range(nodes * per_node):
+        node, local = divmod(rank, per_node)
+        board = NodeBoard(
+            store, "fleet", node_folder(tmp_path, "job", node), rank, node, nodes, local, per_node,
+            lead_takeover_s=takeover_s / (per_node + 1), verdict_every_s=verdict_every_s, clock=clock,
+        )  # fmt: skip
+        watches.append(Watch(board, rank, nodes * per_node, takeover_s=takeover_s, clock=clock))
+    return store, watches
+
+
+def test_a_nodes_leader_alone_talks_to_the_store_and_a_silent_leader_is_replaced(tmp_path):
+    """4 nodes x 8 ranks: a steady poll costs the store 2 operations a node plus the judge's 2 (it was 2 a rank):
+    the other ranks meet in their node's folder. Rank 8, node 1's leader, then goes silent (its process is stuck):
+    rank 9 leads node 1 within the node's takeover time, node 1's other beats keep reaching the judge, and the
+    judge names rank 8 once its allowance has passed; every rank of every node reads the report."""
+    now = [0.0]
+    store, watches = node_ranks(tmp_path, 4, 8, lambda: now[0], takeover_s=9.0)
+    progress = dict.fromkeys(range(32), 0)
+    silent: set[int] = set()
+
+    def poll_all():
+        reports = {}
+        for w in watches:
+            if w.rank in silent:
+                continue
+            b = beat(w.rank, progress[w.rank], "forward", progress=progress[w.rank], allowance_s=6.0)
+            report = w.poll(b)
+            if report is not None:
+                reports[w.rank] = report
+        return reports
+
+    def step(stuck=()):
+        now[0] += 1.0
+        for r in progress:
+            progress[r] += r not in stuck
+        return poll_all()
+
+    for _ in range(3):
+        assert step() == {}
+    store.ops = store.keys = 0
+    assert step() == {}
+    assert store.ops == 4 * 2 + 2  # each leader: its node's key and the verdict; the judge also checks and reads
+    silent.add(8)
+    reports = {}
+    for _ in range(20):
+        reports = step(stuck={8})
+        if reports:
+            break
+    assert watches[9].board.leading and not watches[10].board.leading
+    assert all(r.stuck_ranks == [8] and r.detected_by == 0 for r in reports.values())
+    assert now[0] <= 4 + 6 + 3  # rank 8's last progress (t=4) + its allowance + a poll or two through the node
+    assert set(reports) == set(range(32)) - {8}
+
+
+def test_leaders_that_read_the_verdict_every_few_seconds_cost_the_store_one_write_a_poll(tmp_path):
+    """A read is the store's costly operation (a request and an answer; a beat is a one-way write): with
+    verdict_every_s=5 a leader reads the verdict once in 5 polls, and its node still sees it alive every poll."""
+    now = [0.0]
+    store, watches = node_ranks(tmp_path, 4, 8, lambda: now[0], verdict_every_s=5.0)
+    for t in range(1, 4):
+        now[0] = float(t)
+        assert all(w.poll(beat(w.rank, t, "forward", progress=t)) is None for w in watches)
+    store.ops = 0
+    for t in range(4, 9):
+        now[0] = float(t)
+        assert all(w.poll(beat(w.rank, t, "forward", progress=t)) is None for w in watches)
+    assert store.ops == 5 * (4 + 3) + 3  # a poll: 4 node keys and the judge's check, read and post; 3 leaders' reads
+    assert not any(w.board.leading for w in watches if w.rank % 8)  # no follower took a lead: its leader is alive
