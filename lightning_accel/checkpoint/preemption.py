@@ -164,7 +164,7 @@ class PreemptionCheckpoint(Callback):
         self.stop_signals.reset()
         self.resumed.reset(trainer)
         self._pending_epoch_state, self._pending_results, self._validation_due = None, None, False
-        self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's when this fit resumes
+        self.run_id = trainer.strategy.broadcast(uuid.uuid4().hex, src=0)  # rank 0's; a resume loads the checkpoint's
         self.retention.reset()
         install_atomic_io(trainer.strategy, self.async_save, fsync=self.destination.url is None)  # bucket: no fsync
         # Handlers in place before Lightning installs its own (a user's, an agent's): ours call them.

@@ -1,12 +1,18 @@
-"""Prometheus exporter shared by the monitors: one HTTP endpoint per process, every series labelled by rank.
+"""Prometheus exporter shared by the monitors: one HTTP endpoint per process, every series labelled by run, host
+and rank.
 
 Each rank serves its own values on ``port + local_rank`` (one process cannot serve another's), so a scrape
-config lists one target per local rank on each node; the ``rank`` label is the global rank.
+config lists one target per local rank on each node (docs/monitoring.md: N nodes x 8 ranks). Labels: ``run`` (the
+run's id, the same on every rank and every attempt: :func:`run_label`), ``host`` and ``rank`` (the global rank), so
+a fleet dashboard tells runs apart and picks one run's hosts, and the next run on the same ports is another series.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,10 +35,13 @@ class PrometheusExporter:
     own. Binds to loopback by default, so nothing is exposed unintentionally.
     """
 
-    def __init__(self, port: int = 9400, addr: str = "127.0.0.1") -> None:
+    def __init__(self, port: int = 9400, addr: str = "127.0.0.1", run: str | None = None) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
         self.port, self.addr = port, addr
+        self.given_run = run  # the `run` label the user chose; else each fit's run id (follow_run)
+        self.run = run or ""
+        self.host = socket.gethostname()
         self.bound_port: int | None = None
         self._server: Any = None
         self._registry: Any = None
@@ -59,8 +68,13 @@ class PrometheusExporter:
         self.bound_port = self._server.server_address[1]
         log.info("Prometheus metrics on http://%s:%d/metrics", self.addr, self.bound_port)
 
+    def follow_run(self, run: str) -> None:
+        """Label what follows with ``run`` (a fit's run id), unless the exporter was given one."""
+        if self.given_run is None:
+            self.run = run
+
     def publish(self, metrics: Mapping[str, float], rank: int = 0, local_rank: int = 0) -> None:
-        """Set one gauge per metric, labelled ``rank``; starts the server on first use."""
+        """Set one gauge per metric, labelled ``run``, ``host`` and ``rank``; starts the server on first use."""
         self.start(local_rank)
         from prometheus_client import Gauge
 
@@ -68,8 +82,8 @@ class PrometheusExporter:
             name = series_name(key)
             gauge = self._gauges.get(name)
             if gauge is None:
-                gauge = self._gauges[name] = Gauge(name, key, ["rank"], registry=self._registry)
-            gauge.labels(rank=str(rank)).set(float(value))
+                gauge = self._gauges[name] = Gauge(name, key, ["run", "host", "rank"], registry=self._registry)
+            gauge.labels(run=self.run, host=self.host, rank=str(rank)).set(float(value))
 
     @property
     def published(self) -> set[str]:
@@ -82,6 +96,21 @@ class PrometheusExporter:
             self._server.server_close()
             self._server, self.bound_port = None, None
         self._gauges.clear()
+
+
+def run_label(trainer: Any) -> str:
+    """The ``run`` label of a fit, the same on every rank (every rank must call this): the run id a callback keeps
+    across attempts (``PreemptionCheckpoint.run_id``); else ``LIGHTNING_ACCEL_RUN_ID`` or torchrun's
+    ``TORCHELASTIC_RUN_ID`` (``--rdzv-id``); else rank 0's fresh id for this fit."""
+    for callback in trainer.callbacks:
+        run_id = getattr(callback, "run_id", None)
+        if isinstance(run_id, str) and run_id:
+            return run_id
+    for name in ("LIGHTNING_ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(name, "")
+        if value and value != "none":
+            return value
+    return str(trainer.strategy.broadcast(uuid.uuid4().hex[:16], src=0))
 
 
 def resolve_exporter(prometheus: PrometheusExporter | int | None) -> tuple[PrometheusExporter | None, bool]:

@@ -10,7 +10,7 @@ import psutil
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
+from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter, run_label
 from lightning_accel.monitor.summary import print_summary
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,10 @@ class UtilizationMonitor(Callback):
         if self.exporter is not None:
             self.exporter.start(trainer.local_rank)  # a busy port fails here, not mid-run
         psutil.cpu_percent(interval=None)  # first call primes the counter; it always returns 0.0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.exporter is not None:
+            self.exporter.follow_run(run_label(trainer))  # the checkpoint's run id is loaded by now
 
     def sample(self) -> dict[str, float]:
         """Read all metrics now."""

@@ -11,6 +11,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch import Trainer
@@ -18,7 +19,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_accel as la
 from lightning_accel.monitor import goodput, idle, utilization
-from lightning_accel.monitor.exporter import series_name
+from lightning_accel.monitor.exporter import run_label, series_name
 from tests.conftest import tiny_trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,26 @@ def test_every_series_the_dashboard_queries_is_one_the_monitors_export():
     assert queried <= EXPORTED, f"the dashboard queries series nobody exports: {sorted(queried - EXPORTED)}"
     # and the ledger is on it, bucket by bucket
     assert {series_name(f"goodput/{b}_share") for b in ("data", "compute", "checkpoint", "other")} <= queried
+
+
+def test_the_run_label_is_the_runs_id_on_every_rank_unless_one_is_given(monkeypatch):
+    """The checkpoint's run id (kept across attempts) first, then LIGHTNING_ACCEL_RUN_ID or torchrun's rendezvous id,
+    then rank 0's fresh id, broadcast; an exporter given a run keeps it."""
+    sent = []
+    strategy = SimpleNamespace(broadcast=lambda obj, src: sent.append(obj) or "from-rank-0")
+    with_ckpt = SimpleNamespace(callbacks=[object(), SimpleNamespace(run_id="abc123")], strategy=strategy)
+    bare = SimpleNamespace(callbacks=[SimpleNamespace(run_id="")], strategy=strategy)
+    monkeypatch.delenv("LIGHTNING_ACCEL_RUN_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's value without --rdzv-id: no id
+    assert run_label(with_ckpt) == "abc123" and sent == []
+    assert run_label(bare) == "from-rank-0" and len(sent) == 1
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    assert run_label(bare) == "job-7"
+    monkeypatch.setenv("LIGHTNING_ACCEL_RUN_ID", "mine")
+    assert run_label(bare) == "mine"
+    exporter, named = la.PrometheusExporter(port=0), la.PrometheusExporter(port=0, run="fixed")
+    exporter.follow_run("abc123"), named.follow_run("abc123")
+    assert (exporter.run, named.run, exporter.host) == ("abc123", "fixed", socket.gethostname())
 
 
 def free_port() -> int:
@@ -103,6 +124,7 @@ def test_metrics_read_back_from_a_real_prometheus_equal_the_callbacks(tmp_path):
         for key, value in monitor.results.items():
             (sample,) = query(prom, series_name(key))
             assert sample["metric"]["rank"] == "0" and sample["metric"]["job"] == "lightning_accel"
+            assert sample["metric"]["run"] == ckpt.run_id and sample["metric"]["host"] == socket.gethostname()
             assert float(sample["value"][1]) == value, key  # exact: both sides print floats round-trip
         for key, value in util.last.items():
             (sample,) = query(prom, series_name(key))
