@@ -29,7 +29,7 @@ Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
 FP8_CAPABILITY = (8, 9)
 ALIGNMENT = 16  # torch._scaled_mm needs both matrix dimensions divisible by 16
-# The output head: the last linear layer with one of these names (lm_head, out ...), else the last one registered.
+# Names an output head goes by (output_head also takes any name with "logit" or ending in "head").
 HEAD_NAMES = ("lm_head", "head", "output", "out", "classifier", "logits", "fc_out")
 HARDWARE = "an NVIDIA GPU of compute capability 8.9 or newer (Ada: L4, L40S; Hopper: H100, H200; Blackwell)"
 
@@ -45,14 +45,61 @@ def fp8_hardware() -> str | None:
     return None
 
 
-def fp8_reasons(module: nn.Module, skip: Sequence[str] = (), skip_output_head: bool = True) -> dict[str, str | None]:
-    """Every ``nn.Linear`` in ``module`` by name: ``None`` when it goes to fp8, else why it stays."""
+def _in_blocks(module: nn.Module) -> set[str]:
+    """Names of the modules inside the model's repeated blocks (the children of its ``nn.ModuleList``s)."""
+    roots = [
+        f"{name}.{i}" if name else str(i)
+        for name, m in module.named_modules()
+        if isinstance(m, nn.ModuleList)
+        for i in range(len(m))
+    ]
+    return {name for name, _ in module.named_modules() if any(name.startswith(r + ".") for r in roots)}
+
+
+def output_head(module: nn.Module) -> str | None:
+    """The output head among ``module``'s ``nn.Linear`` layers, found by what it is, not by registration order: the
+    one whose weight is tied to an embedding's; else one named like a head (``lm_head``, ``to_logits``, a name in
+    :data:`HEAD_NAMES`); else, outside the repeated blocks, one with as many outputs as an embedding has rows (the
+    vocabulary); else the last one outside the blocks; else the last one."""
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    named_heads = [name for name, _ in linears if name.rsplit(".", 1)[-1] in HEAD_NAMES]
-    head = (named_heads or [name for name, _ in linears] or [None])[-1] if skip_output_head else None
+    if not linears:
+        return None
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    tied = [name for name, m in linears if any(m.weight is e.weight for e in embeddings)]
+    named = [
+        name
+        for name, _ in linears
+        if (last := name.rsplit(".", 1)[-1]) in HEAD_NAMES or "logit" in last or last.endswith("head")
+    ]
+    inside = _in_blocks(module)
+    outside = [(name, m) for name, m in linears if name not in inside]
+    vocab = [name for name, m in outside if any(m.out_features == e.num_embeddings for e in embeddings)]
+    for found in (tied, named, vocab, [name for name, _ in outside]):
+        if found:
+            return found[-1]
+    return linears[-1][0]
+
+
+def _is_transposed_linear(layer: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 and its kin): a linear layer whose weight is stored as (in, out)."""
+    return type(layer).__name__ == "Conv1D" and getattr(getattr(layer, "weight", None), "dim", lambda: 0)() == 2
+
+
+def fp8_reasons(module: nn.Module, skip: Sequence[str] = (), skip_output_head: bool = True) -> dict[str, str | None]:
+    """Every ``nn.Linear`` (and transformers ``Conv1D``) in ``module`` by name: ``None`` when it goes to fp8, else
+    why it stays."""
+    head = output_head(module) if skip_output_head else None
     reasons: dict[str, str | None] = {}
-    for name, layer in linears:
-        if name in skip:
+    for name, layer in module.named_modules():
+        if _is_transposed_linear(layer):
+            reasons[name] = (
+                "a transformers Conv1D (a linear layer with its weight stored transposed), which torchao does not "
+                "convert: only nn.Linear trains in fp8. Use a model whose projections are nn.Linear (for GPT-2, "
+                "transformers' GPT-2 with nn.Linear layers, or your own port) to train these in fp8"
+            )
+        elif not isinstance(layer, nn.Linear):
+            continue
+        elif name in skip:
             reasons[name] = "named in skip"
         elif name == head:
             reasons[name] = "the output head: its logits lose the most precision in fp8"
@@ -72,8 +119,8 @@ class Float8Training(Callback):
         recipe: torchao's scaling recipe: ``"tensorwise"`` (fastest; the only one whose weights FSDP2 all-gathers in
             fp8), ``"rowwise"`` (one scale per row: more accurate, a little slower), ``"rowwise_with_gw_hp"``.
         skip: Names of linear layers (as in ``named_modules()``) to keep in their precision.
-        skip_output_head: Keep the output head out of fp8: the last linear layer named like one (``lm_head``,
-            ``head``, ``output``, ``out``, ``classifier``, ``logits``, ``fc_out``), else the last one registered.
+        skip_output_head: Keep the output head out of fp8, found by what it is (:func:`output_head`: tied to the
+            embedding, named like a head, as wide as the vocabulary, or the last linear layer outside the blocks).
         on_unsupported: Without fp8 hardware: ``"error"`` refuses when the callback is made (at ``Trainer(...)``),
             ``"fallback"`` logs that it trains without fp8 and changes nothing.
         emulate: torchao's emulation (fp8 casts and scales, matmuls in higher precision): runs anywhere, is slow;
@@ -122,6 +169,14 @@ class Float8Training(Callback):
         convert_to_float8_training(pl_module, config=config, module_filter_fn=lambda _, name: reasons.get(name) is None)
         self.converted = [name for name, why in reasons.items() if why is None]
         log.info("Float8Training (%s): %d of %d linear layers in fp8", self.recipe, len(self.converted), len(reasons))
+        transposed = [name for name, layer in pl_module.named_modules() if _is_transposed_linear(layer)]
+        if transposed:
+            log.warning(
+                "Float8Training: %d transformers Conv1D layers (%s) do the model's matmuls and stay out of fp8: %s",
+                len(transposed),
+                ", ".join(transposed[:4]) + (", ..." if len(transposed) > 4 else ""),
+                self.skipped[transposed[0]],
+            )
         for name, why in self.skipped.items():
             log.info("Float8Training: %s stays in %s: %s", name, trainer.precision, why)
         if not self.converted:

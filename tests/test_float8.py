@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import Float8Training, PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
-from lightning_accel.float8 import fp8_reasons
+from lightning_accel.float8 import fp8_reasons, output_head
 from tests.conftest import requires_cuda, tiny_trainer_kwargs
 
 
@@ -72,6 +72,65 @@ def test_the_filter_admits_exactly_the_layers_fp8_can_pay_on_and_says_why_for_th
         "mix": "named in skip",
         "head": "64 -> 10 features: fp8 matmuls need multiples of 16",
     }
+
+
+class Conv1D(nn.Module):
+    """transformers' GPT-2 projection, as it is defined there: a linear layer with its weight stored (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class GPT2Like(nn.Module):
+    """Embeddings, blocks whose projections are Conv1D, and an lm_head tied to the token embedding."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.h = nn.ModuleList(nn.ModuleDict({"c_attn": Conv1D(3 * width, width), "c_proj": Conv1D(width, width),
+                                              "c_fc": Conv1D(4 * width, width), "mlp_proj": Conv1D(width, 4 * width)})
+                               for _ in range(depth))  # fmt: skip
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+class HeadFirst(nn.Module):
+    """Registers its head first, under a name outside HEAD_NAMES, then the blocks: the head is still the head."""
+
+    def __init__(self, vocab: int = 64, width: int = 32) -> None:
+        super().__init__()
+        self.to_logits = nn.Linear(width, vocab)
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(2))
+
+
+class Untied(nn.Module):
+    """No head name, no tied weights: the vocabulary-wide layer outside the blocks, registered before an adapter."""
+
+    def __init__(self, vocab: int = 48, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.project = nn.Linear(width, vocab)
+        self.adapter = nn.Linear(width, width)
+
+
+def test_the_head_is_found_by_what_it_is_and_conv1d_layers_are_named_with_why():
+    gpt2 = fp8_reasons(GPT2Like())
+    assert "output head" in gpt2["lm_head"]  # tied to the embedding
+    conv = [name for name, why in gpt2.items() if why is not None and "Conv1D" in why]
+    assert len(conv) == 8 and all("only nn.Linear trains in fp8" in gpt2[name] for name in conv)
+    assert output_head(HeadFirst()) == "to_logits"
+    reasons = fp8_reasons(HeadFirst())
+    assert "output head" in reasons["to_logits"] and reasons["blocks.1.0"] is None  # a block's last layer: fp8
+    assert output_head(Untied()) == "project"  # as wide as the vocabulary
+    assert output_head(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))) == "1"  # nothing else to go by: the last
 
 
 def test_an_fp8_checkpoint_loads_into_the_model_without_fp8_and_resumes_bitwise(tmp_path):

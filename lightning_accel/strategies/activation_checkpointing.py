@@ -27,7 +27,7 @@ from lightning_accel._compat import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from lightning_accel.strategies.blocks import find_block_classes
+from lightning_accel.strategies.blocks import find_block_classes, find_blocks
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +50,27 @@ def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_blocks(module: nn.Module, block_classes: set[type[nn.Module]], policy: Policy = "full") -> int:
-    """Wrap every instance of ``block_classes`` in ``module`` with a checkpoint wrapper, in place; returns how many."""
+def checkpoint_blocks(
+    module: nn.Module,
+    block_classes: set[type[nn.Module]],
+    policy: Policy = "full",
+    instances: Sequence[nn.Module] | None = None,
+) -> int:
+    """Wrap every instance of ``block_classes`` in ``module`` (or only ``instances``, when given) with a checkpoint
+    wrapper, in place; returns how many."""
     if policy not in POLICIES:
         raise ValueError(f"activation checkpointing policy must be one of {POLICIES}, got {policy!r}")
     blocks = tuple(block_classes)
     if not blocks:
         return 0
+    ids = {id(m) for m in instances} if instances is not None else None
     kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
     if policy == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmuls)
     apply_activation_checkpointing(
-        module, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kwargs), check_fn=lambda m: isinstance(m, blocks)
+        module,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kwargs),
+        check_fn=lambda m: isinstance(m, blocks) and (ids is None or id(m) in ids),
     )
     return sum(isinstance(m, CheckpointWrapper) for m in module.modules())
 
@@ -91,7 +100,7 @@ class ActivationCheckpointing(Callback):
             )
             return
         batch_norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-        in_blocks = [m for m in pl_module.modules() if isinstance(m, tuple(classes))]
+        in_blocks = find_blocks(pl_module, self.blocks)  # the blocks only: not a head of the same class beside them
         norms = {type(n).__name__ for b in in_blocks for n in b.modules() if isinstance(n, batch_norms)}
         if norms:
             rank_zero_warn(
@@ -100,6 +109,6 @@ class ActivationCheckpointing(Callback):
                 "are unchanged, the running statistics are not. Checkpoint blocks without batch norm, or exclude "
                 "them with blocks=[...]."
             )
-        self.wrapped = checkpoint_blocks(pl_module, classes, self.policy)
+        self.wrapped = checkpoint_blocks(pl_module, classes, self.policy, instances=in_blocks)
         names = sorted(c.__name__ for c in classes)
         log.info("activation checkpointing (%s): %d blocks of %s", self.policy, self.wrapped, names)

@@ -46,3 +46,19 @@ def children_beside_blocks(model: nn.Module, blocks: set[type[nn.Module]]) -> li
         if all(owners[id(p)] == 1 for p in child.parameters()):
             chosen.append(child)
     return chosen
+
+
+def find_blocks(model: nn.Module, names: Sequence[str] | None = None) -> list[nn.Module]:
+    """The block instances themselves: every instance of the classes named, or, found automatically, the children
+    of the model's ``nn.ModuleList``s only. (By class alone, blocks that are ``nn.Sequential``s would take every
+    ``nn.Sequential`` with them, a head beside the blocks included.)"""
+    if names:
+        classes = tuple(find_block_classes(model, names))
+        return [m for m in model.modules() if isinstance(m, classes)]
+    return [
+        child
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        for child in m
+        if any(True for _ in child.parameters())
+    ]

@@ -140,3 +140,23 @@ def test_batch_norm_inside_a_checkpointed_block_is_warned_about(tmp_path):
     trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=1, callbacks=[ActivationCheckpointing()]))
     with pytest.warns(UserWarning, match=r"hold \['BatchNorm1d'\], whose running statistics are updated again"):
         trainer.fit(Model(), ResumableDataLoader(data, batch_size=8, per_sample_seed=False))
+
+
+def test_only_the_blocks_are_wrapped_not_a_head_of_the_same_class_beside_them(tmp_path):
+    """Blocks that are nn.Sequential in a ModuleList, and an nn.Sequential head beside them: the head is not
+    checkpointed (it was, since the blocks were found by class)."""
+
+    class SequentialStack(Stack):
+        def __init__(self) -> None:
+            super().__init__(depth=0, width=16)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3))
+            self.out = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 2))  # the head
+
+    model = SequentialStack()
+    callback = ActivationCheckpointing()
+    data = TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,)))
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=1, callbacks=[callback]))
+    trainer.fit(model, ResumableDataLoader(data, batch_size=8, per_sample_seed=False))
+    assert callback.wrapped == 3
+    assert all(isinstance(b, activation_checkpointing.CheckpointWrapper) for b in model.blocks)
+    assert not isinstance(model.out, activation_checkpointing.CheckpointWrapper)
