@@ -24,7 +24,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_accel.compile import TorchCompile
 from lightning_accel.recipe import AccelTrainer, build_cli
-from lightning_accel.strategies.blocks import find_block_classes
+from lightning_accel.strategies.blocks import find_blocks
 from lightning_accel.tune.config import TuneConfig, parse_budget
 from lightning_accel.tune.report import plot, print_report, trial_line, wide_console, write_json, write_tuned_yaml
 from lightning_accel.tune.search import Search, Trial, TuneResult, data_knobs, pickle_objects
@@ -45,8 +45,8 @@ def _compile_of(trainer: Any) -> tuple[str, str | None]:
 
 
 def _block_names(model: Any) -> list[str]:
-    blocks = tuple(find_block_classes(model))
-    return [name for name, m in model.named_modules() if name and blocks and isinstance(m, blocks)]
+    blocks = {id(m) for m in find_blocks(model)}  # the blocks only, not a head of their class
+    return [name for name, m in model.named_modules() if name and id(m) in blocks]
 
 
 def _planned_samples(trainer: Any) -> Any:

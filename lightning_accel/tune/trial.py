@@ -30,7 +30,7 @@ from lightning_accel.monitor.batches import default_batch_size
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.recipe import AccelTrainer, build_cli
 from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
-from lightning_accel.strategies.blocks import find_block_classes
+from lightning_accel.strategies.blocks import find_blocks
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +204,8 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
     if cand.get("compile", "off") != "off":
         modules = None
         if cand["compile"] == "blocks":
-            blocks = tuple(find_block_classes(model))
-            modules = [name for name, m in model.named_modules() if name and isinstance(m, blocks)]
+            blocks = {id(m) for m in find_blocks(model)}  # the blocks only, not a head of their class
+            modules = [name for name, m in model.named_modules() if name and id(m) in blocks]
         trainer.callbacks.append(TorchCompile(modules=modules, mode=cand.get("compile_mode"), fallback=False))
     if cand.get("float8"):
         trainer.callbacks.append(Float8Training(recipe=cand["float8"]))
