@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
+from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter, run_label
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,10 @@ class IdleMonitor(Callback):
         self.finished, self._last_step, self._ran_on_idle = False, time.monotonic(), False
         self._thread = threading.Thread(target=self._watch, name="lightning_accel-idle", daemon=True)
         self._thread.start()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.exporter is not None:
+            self.exporter.follow_run(run_label(trainer))  # the checkpoint's run id is loaded by now
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         self._last_step = time.monotonic()  # a plain write: this hook is on the hot path

@@ -24,6 +24,7 @@ import lightning_accel as la
 from lightning_accel.monitor.ledger import BUCKETS, Ledger, LedgerProfiler, bucket_of
 from lightning_accel.monitor.progress import PROGRESS_FILE
 from tests.conftest import requires_cuda, tiny_trainer_kwargs
+from tests.helpers.prometheus import sample
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/monitor/goodput_run.py"
@@ -303,11 +304,6 @@ def test_work_lost_to_a_hard_kill_is_counted_on_resume(tmp_path):
     assert r["throughput/steps_measured"] == 10 - 2
 
 
-def prometheus_value(text: str, series: str) -> float:
-    (line,) = [line for line in text.splitlines() if line.startswith(series + " ")]
-    return float(line.split()[-1])
-
-
 @pytest.mark.multiprocess
 def test_straggler_named_across_two_ranks(tmp_path):
     """Rank 1's step 30% slower (40 ms + 12 ms of sleep before the gradient sync) over 40 steps (8 logging
@@ -324,9 +320,9 @@ def test_straggler_named_across_two_ranks(tmp_path):
     assert "Straggler: rank 1 (host " in slow.stderr
     # Prometheus: each rank's own pre-sync step time under its rank label, the straggler's number from rank 0
     scraped = {r: (tmp_path / "slow" / f"metrics_rank{r}.txt").read_text() for r in (0, 1)}
-    presync = {r: prometheus_value(scraped[r], f'lightning_accel_goodput_presync_step_s{{rank="{r}"}}') for r in (0, 1)}
+    presync = {r: sample(scraped[r], "lightning_accel_goodput_presync_step_s", rank=str(r)) for r in (0, 1)}
     assert 1.2 < presync[1] / presync[0] < 1.45
-    assert prometheus_value(scraped[0], 'lightning_accel_goodput_straggler_rank{rank="0"}') == 1.0
+    assert sample(scraped[0], "lightning_accel_goodput_straggler_rank", rank="0") == 1.0
     assert (
         json.loads((tmp_path / "slow" / "ckpt" / "goodput.json").read_text())["straggler_host"] == socket.gethostname()
     )
