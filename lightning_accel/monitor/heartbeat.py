@@ -157,16 +157,22 @@ class StoreBoard:
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
 
+    def put(self, name: str, value: str) -> None:
+        """Set key ``name`` under the prefix (a one-way write)."""
+        self.store.set(self._key(name), value)
+
+    def values(self, names: list[str]) -> list[bytes]:
+        """The values of the keys ``names`` (under the prefix) that exist, in order: one round trip once all of
+        them exist (the steady state), key by key only before that."""
+        keys = [self._key(name) for name in names]
+        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
+        return self.store.multi_get(present) if present else []
+
     def publish(self, beat: Beat) -> None:
-        self.store.set(self._key(f"beat/{beat.rank}"), beat.to_json())
+        self.put(f"beat/{beat.rank}", beat.to_json())
 
     def read(self) -> dict[int, Beat]:
-        keys = [self._key(f"beat/{r}") for r in range(self.world_size)]
-        # one round trip once every rank has published (the steady state); key by key only before that
-        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
-        if not present:
-            return {}
-        beats = [Beat.from_json(v) for v in self.store.multi_get(present)]
+        beats = [Beat.from_json(v) for v in self.values([f"beat/{r}" for r in range(self.world_size)])]
         return {b.rank: b for b in beats}
 
     def read_verdict(self) -> str | None:
@@ -194,7 +200,6 @@ class StallClock:
     def __init__(self, clock: Any = time.monotonic) -> None:
         self.clock = clock
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (progress, when it was first seen)
-
         self._silent_since: dict[int, float] = {}  # ranks known silent before this clock first sees their beat
 
     def seed(self, rank: int, since: float) -> None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.monitor.heartbeat import Beat
+from lightning_accel.monitor.heartbeat import Beat, StoreBoard
 
 __all__ = ["NodeBoard", "node_folder"]
 
@@ -72,7 +72,8 @@ class NodeBoard:
         verdict_every_s: float = 0.0,
         clock: Any = time.monotonic,
     ) -> None:
-        self.store, self.prefix, self.folder = store, prefix, folder
+        self.job = StoreBoard(store, nodes * local_world, prefix)  # the store's keys: the nodes', the verdict's
+        self.folder = folder
         self.rank, self.node, self.nodes = rank, node, nodes
         self.local_rank, self.local_world = local_rank, local_world
         self.lead_takeover_s, self.verdict_every_s, self.clock = lead_takeover_s, verdict_every_s, clock
@@ -81,11 +82,7 @@ class NodeBoard:
         self.leader = 0  # the local rank that talks to the store for this node
         self._lead_tick = 0
         self._heard: tuple[tuple[int, int] | None, float] = (None, clock())  # the leader's (rank, tick), when seen
-        self._verdict_exists = False
         folder.mkdir(parents=True, exist_ok=True)
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}"
 
     @property
     def leading(self) -> bool:
@@ -97,15 +94,12 @@ class NodeBoard:
         self._follow_leader()
         if self.leading:  # the node's beats, one key
             beats = [_read_json(self.folder / f"beat-{r}.json") for r in range(self.local_world)]
-            self.store.set(self._key(f"node/{self.node}"), json.dumps([b for b in beats if b is not None]))
+            self.job.put(f"node/{self.node}", json.dumps([b for b in beats if b is not None]))
 
     def read(self) -> dict[int, Beat]:
         """Every node's beats (the judge's read: one round trip for all nodes once each has published)."""
-        keys = [self._key(f"node/{n}") for n in range(self.nodes)]
-        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
-        if not present:
-            return {}
-        beats = [Beat(**b) for value in self.store.multi_get(present) for b in json.loads(value)]
+        nodes = self.job.values([f"node/{n}" for n in range(self.nodes)])
+        beats = [Beat(**b) for value in nodes for b in json.loads(value)]
         return {b.rank: b for b in beats}
 
     # -- the verdict ---------------------------------------------------------------------------------------------
@@ -145,24 +139,22 @@ class NodeBoard:
                 ((int(shared["leader"]), shared.get("tick", 0)), self.clock()),
             )
             return shared.get("verdict")  # another rank took the lead while this one was silent: it keeps it
-        key, now = self._key("verdict"), self.clock()
-        if now - self._verdict_read_at >= self.verdict_every_s and (self._verdict_exists or self.store.check([key])):
-            self._verdict_exists, self._verdict_read_at = True, now
-            self._verdict = self.store.get(key).decode()
+        now = self.clock()
+        if now - self._verdict_read_at >= self.verdict_every_s and (verdict := self.job.read_verdict()) is not None:
+            self._verdict, self._verdict_read_at = verdict, now  # (until the judge posts one: checked every poll)
         self._share(self._verdict)  # every poll, so the node's ranks see the leader alive
         return self._verdict
 
     def swap_verdict(self, expected: str, desired: str) -> str:
         """The judge's post (compare-and-set); the judge leading its node also shares the outcome with the node."""
-        current = self.store.compare_set(self._key("verdict"), expected, desired)
-        current = current.decode() if isinstance(current, bytes) else str(current)
+        current = self.job.swap_verdict(expected, desired)
         if self.leading:
             self._share(current)
         return current
 
     # -- after a hang --------------------------------------------------------------------------------------------
     def mark_dumped(self, rank: int) -> None:
-        self.store.add(self._key("dumped"), 1)
+        self.job.mark_dumped(rank)
 
     def all_dumped(self) -> bool:
-        return self.store.add(self._key("dumped"), 0) >= self.nodes * self.local_world
+        return self.job.all_dumped()
