@@ -15,8 +15,14 @@ import numpy as np
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from PIL import Image
 
-from lightning_accel.data.global_order import LEGACY_ORDER_VERSION, ORDER_VERSION, DealtSlots, EpochOrder
-from lightning_accel.data.resumable import slots_per_rank
+from lightning_accel.data.global_order import (
+    LEGACY_ORDER_VERSION,
+    ORDER_VERSION,
+    DealtSlots,
+    EpochOrder,
+    check_order_version,
+    slots_per_rank,
+)
 from lightning_accel.ranks import gather_from_ranks
 from lightning_accel.storage import check_storage_url, filesystem, is_remote
 
@@ -132,8 +138,7 @@ class DealtArraySource:
 
     def set_order_version(self, version: int) -> None:
         """Deal from the order a loader state was saved in (:mod:`~lightning_accel.data.global_order`)."""
-        EpochOrder(0, 0, 0, True, version)  # an unknown version is refused here
-        self.order_version, self._cached = version, None
+        self.order_version, self._cached = check_order_version(version), None
 
     def _rank_slots(self, pipeline_epoch: int) -> tuple[DealtSlots, EpochOrder]:
         """This rank's slots in the pipeline's epoch ``pipeline_epoch`` and that epoch's order (computed per batch;

@@ -21,13 +21,42 @@ import numpy as np
 import torch
 import xxhash
 
-__all__ = ["LEGACY_ORDER_VERSION", "ORDER_VERSION", "DealtSlots", "EpochOrder", "FeistelPermutation"]
+__all__ = [
+    "LEGACY_ORDER_VERSION",
+    "ORDER_VERSION",
+    "DealtSlots",
+    "EpochOrder",
+    "FeistelPermutation",
+    "check_order_version",
+    "slot_count",
+    "slots_per_rank",
+]
 
 ORDER_VERSION = 2  # the keyed Feistel permutation
 LEGACY_ORDER_VERSION = 1  # torch.randperm(n) seeded by seed + epoch (loader states without a version)
 _ROUNDS = 6
 _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's odd multipliers
 _SMALL = 64  # up to this many positions (a batch), Python integers beat numpy's per-call cost
+
+
+def check_order_version(version: int) -> int:
+    """``version`` when this release knows that order (a loader state's ``order``); else a clear error."""
+    if version not in (ORDER_VERSION, LEGACY_ORDER_VERSION):
+        raise ValueError(
+            f"unknown order version {version!r} in a loader state: this release knows {LEGACY_ORDER_VERSION} "
+            f"and {ORDER_VERSION}. Resume with the lightning-accel release that wrote the checkpoint."
+        )
+    return version
+
+
+def slot_count(n: int, batch_size: int, drop_last: bool) -> int:
+    """Slots of ``batch_size`` in an epoch of ``n`` samples: the short last one counted unless ``drop_last``."""
+    return n // batch_size if drop_last else math.ceil(n / batch_size)
+
+
+def slots_per_rank(n: int, batch_size: int, replicas: int, drop_last: bool) -> int:
+    """Slots each of ``replicas`` ranks is dealt in a whole epoch (:class:`DealtSlots`): the same on every rank."""
+    return len(DealtSlots(n, batch_size, drop_last, 0, replicas, 0))
 
 
 class FeistelPermutation:
@@ -95,12 +124,7 @@ class EpochOrder:
     """
 
     def __init__(self, n: int, seed: int, epoch: int, shuffle: bool, version: int = ORDER_VERSION) -> None:
-        if version not in (ORDER_VERSION, LEGACY_ORDER_VERSION):
-            raise ValueError(
-                f"unknown order version {version!r} in a loader state: this release knows {LEGACY_ORDER_VERSION} "
-                f"and {ORDER_VERSION}. Resume with the lightning-accel release that wrote the checkpoint."
-            )
-        self.n, self.shuffle, self.version = n, shuffle, version
+        self.n, self.shuffle, self.version = n, shuffle, check_order_version(version)
         self._feistel = FeistelPermutation(n, seed, epoch) if shuffle and version == ORDER_VERSION else None
         self._legacy: np.ndarray | None = None
         if shuffle and version == LEGACY_ORDER_VERSION:
@@ -137,7 +161,7 @@ class DealtSlots:
         fill: bool = False,
     ) -> None:
         self.n, self.batch_size, self.fill = n, batch_size, fill
-        self.slots = n // batch_size if drop_last else math.ceil(n / batch_size)
+        self.slots = slot_count(n, batch_size, drop_last)
         rest = max(self.slots - start, 0)
         self.count = rest // replicas if drop_last else math.ceil(rest / replicas)
         self.start, self.replicas, self.rank = start, replicas, rank

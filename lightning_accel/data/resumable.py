@@ -11,7 +11,6 @@ position saved is a point in that order, and a resume on another number of ranks
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +18,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from lightning_accel.data.global_order import LEGACY_ORDER_VERSION, ORDER_VERSION, DealtSlots, EpochOrder
+from lightning_accel.data.global_order import (
+    LEGACY_ORDER_VERSION,
+    ORDER_VERSION,
+    DealtSlots,
+    EpochOrder,
+    check_order_version,
+    slot_count,
+    slots_per_rank,
+)
 from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
 
 log = logging.getLogger(__name__)
@@ -67,7 +74,7 @@ class ResumableSampler(DistributedSampler):
         self.batch_size = batch_size
         self.order_version = ORDER_VERSION  # a loader state from an earlier release sets the order it was made with
         self._start_slot = 0
-        self._order: EpochOrder | None = None  # the epoch's, kept while the epoch and version stay
+        self._order: tuple[tuple[Any, ...], EpochOrder] | None = None  # the epoch's, by what it is made of
         self._follow_process_group()
 
     def _follow_process_group(self) -> None:
@@ -88,9 +95,9 @@ class ResumableSampler(DistributedSampler):
     def epoch_order(self) -> EpochOrder:
         """This epoch's global order (position -> sample index)."""
         key = (len(self.dataset), self.seed, int(self.epoch), self.shuffle, self.order_version)  # type: ignore[arg-type]
-        if self._order is None or self._key != key:
-            self._order, self._key = EpochOrder(*key), key
-        return self._order
+        if self._order is None or self._order[0] != key:
+            self._order = (key, EpochOrder(*key))
+        return self._order[1]
 
     def global_slots(self) -> list[list[int]]:
         """This epoch's order cut into slots of ``batch_size`` (the last one short unless ``drop_last``). O(n): for
@@ -108,17 +115,6 @@ class ResumableSampler(DistributedSampler):
         n = len(self.dataset)  # type: ignore[arg-type]
         mine = DealtSlots(n, self.batch_size, self.drop_last, start, self.world_size, self.rank)
         return mine.indices(self.epoch_order())
-
-
-def slot_count(n: int, batch_size: int, drop_last: bool) -> int:
-    """Slots of ``batch_size`` in an epoch of ``n`` samples: the short last one counted unless ``drop_last``."""
-    return n // batch_size if drop_last else math.ceil(n / batch_size)
-
-
-def slots_per_rank(n: int, batch_size: int, replicas: int, drop_last: bool) -> int:
-    """Slots each of ``replicas`` ranks is dealt in a whole epoch (:class:`DealtSlots`): the same on every rank."""
-    slots = slot_count(n, batch_size, drop_last)
-    return slots // replicas if drop_last else math.ceil(slots / replicas)
 
 
 class ResumableDataLoader(DataLoader):
@@ -241,8 +237,8 @@ class ResumableDataLoader(DataLoader):
             raise ValueError(f"ResumableDataLoader state is missing {sorted(missing)}: got {state}")
         self.sampler.set_epoch(int(state["epoch"]))
         self._resume_at = {key: int(value) for key, value in state.items()}
-        version = self._resume_at.get("order", LEGACY_ORDER_VERSION)  # a state without one: the earlier release's
-        EpochOrder(0, 0, 0, True, version)  # an unknown version is refused here, before training
+        # a state without one: the earlier release's; an unknown one is refused here, before training
+        version = check_order_version(self._resume_at.get("order", LEGACY_ORDER_VERSION))
         if version != self.sampler.order_version:
             log.info(
                 "ResumableDataLoader: the checkpoint's position is in the order of version %d (%s); this run keeps "
