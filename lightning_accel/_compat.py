@@ -276,15 +276,20 @@ def rescale_train_batches(checkpoint: dict[str, Any], saved_world_size: int, wor
     if progress is None:
         return 0  # no fit loop saved (a weights-only checkpoint): nothing to re-count
     current, total = progress["current"], progress["total"]
-    # Only the batch count changes: a checkpoint written in on_train_batch_end has completed = ready - 1, and the
-    # restart logic reads that offset to know where the save happened.
-    saved = dict(current)
-    ready = saved["ready"] * saved_world_size // world_size
-    earlier = round((total["ready"] - saved["ready"]) * saved_world_size / world_size)
-    for key, count in saved.items():
-        current[key] = ready + count - saved["ready"]
-        total[key] = earlier + current[key]
+    ready = current["ready"] * saved_world_size // world_size
+    earlier = round((total["ready"] - current["ready"]) * saved_world_size / world_size)
+    _recount(current, total, ready, earlier)
     return int(ready)
+
+
+def _recount(current: dict[str, int], total: dict[str, int], ready: int, earlier: int) -> None:
+    """Set this epoch's batch counters to ``ready`` and the run's to ``earlier`` (its earlier epochs') plus those.
+    Only the batch count changes: a checkpoint written in on_train_batch_end has completed = ready - 1, and the
+    restart logic reads that offset to know where the save happened."""
+    was = current["ready"]
+    for key, count in dict(current).items():
+        current[key] = ready + count - was
+        total[key] = earlier + current[key]
 
 
 def set_train_batches_done(trainer: Any, ready: int) -> None:
@@ -294,11 +299,7 @@ def set_train_batches_done(trainer: Any, ready: int) -> None:
     the save happened, are kept."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     state = progress.state_dict()
-    current, total = state["current"], state["total"]
-    earlier, was = total["ready"] - current["ready"], current["ready"]
-    for key, count in dict(current).items():
-        current[key] = ready + count - was
-        total[key] = earlier + current[key]
+    _recount(state["current"], state["total"], ready, earlier=state["total"]["ready"] - state["current"]["ready"])
     progress.load_state_dict(state)
 
 

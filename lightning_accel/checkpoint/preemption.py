@@ -276,10 +276,11 @@ class PreemptionCheckpoint(Callback):
             due = due or trainer.strategy.broadcast(elapsed, src=0)  # rank 0's clock decides for all
         # The fit's last step is saved too, here where a resume is exact (at on_train_end Lightning has already closed
         # the epoch): the same command run again then finds a finished run instead of retraining the steps since.
-        final = is_final_step(trainer) and (trainer.global_step == trainer.max_steps or is_last_batch(trainer))
+        last_batch, ending = is_last_batch(trainer), is_final_step(trainer)
+        final = ending and (trainer.global_step == trainer.max_steps or last_batch)
         if not (signalled or due or self._deferred or final):
             return
-        if is_last_batch(trainer) and not is_final_step(trainer):
+        if last_batch and not ending:
             # Never at an epoch's last batch: Lightning does not hand stateful loaders their state back
             # when resuming there (a DALI or StatefulDataLoader epoch then starts over from its first
             # order), and resumes such a checkpoint inconsistently. The next epoch's first step is safe.

@@ -21,18 +21,20 @@ __all__ = ["ResumedRun", "is_final_step", "nothing_left_to_train"]
 log = logging.getLogger(__name__)
 
 
+def _limit_reached(trainer: Trainer, epochs: int) -> bool:
+    """``max_steps`` is reached, or ``epochs`` epochs reach ``max_epochs``."""
+    by_steps = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
+    return by_steps or (trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs)
+
+
 def is_final_step(trainer: Trainer) -> bool:
     """No later step of this fit to move a save to: ``max_steps`` is reached, or this is the last epoch."""
-    by_steps = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
-    by_epochs = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-    return by_steps or by_epochs
+    return _limit_reached(trainer, trainer.current_epoch + 1)
 
 
 def nothing_left_to_train(trainer: Trainer) -> bool:
     """The fit's ``max_steps`` or ``max_epochs`` is reached: a resume from its last checkpoint trains nothing."""
-    by_steps = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
-    by_epochs = trainer.max_epochs not in (None, -1) and trainer.current_epoch >= trainer.max_epochs
-    return by_steps or by_epochs
+    return _limit_reached(trainer, trainer.current_epoch)
 
 
 class ResumedRun:
