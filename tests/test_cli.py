@@ -19,9 +19,27 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The command as a user runs it, in its own process (the exit status and stderr the shell sees)."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_accel.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
+
+
+@pytest.fixture
+def cli_in_process(capsys, monkeypatch):
+    """``lightning-accel ARGS`` through the CLI's own ``main`` in this process, from the repository root: its exit
+    code and stderr. Any exception but the SystemExit a clear error ends with fails the test (so no traceback)."""
+    from lightning_accel.cli import main
+
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: str) -> tuple[int | str | None, str]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(list(args))
+        return exit_info.value.code, capsys.readouterr().err
+
+    return run
 
 
 def test_every_recipe_parses(capsys):
@@ -93,20 +111,27 @@ def test_auto_precision_in_recipe_resolves_to_fp32_on_cpu(tmp_path):
         (["--config", "recipes/mlp_cpu.yaml", "--trainer.precision", "fp7"], "precision"),
     ],
 )
-def test_bad_config_gives_clear_error(extra, message):
-    result = run_cli("fit", *extra)
-    assert result.returncode != 0
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+def test_bad_config_gives_clear_error(extra, message, cli_in_process):
+    code, err = cli_in_process("fit", *extra)
+    assert code not in (0, None)
+    assert message in err
+    assert "Traceback" not in err
 
 
-def test_unknown_key_in_config_file(tmp_path):
+def test_a_bad_config_ends_the_command_with_a_clear_error_and_a_failing_status():
+    """The same in the user's shell: the installed command's process exits non-zero with the message, no traceback."""
+    result = run_cli("fit", "--config", "recipes/does_not_exist.yaml")
+    assert result.returncode == 2
+    assert "File does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unknown_key_in_config_file(tmp_path, cli_in_process):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"trainer": {"max_stepz": 3}}))
-    result = run_cli("fit", "--config", "recipes/mlp_cpu.yaml", "--config", str(bad))
-    assert result.returncode != 0
-    assert "max_stepz" in result.stderr
-    assert "Traceback" not in result.stderr
+    code, err = cli_in_process("fit", "--config", "recipes/mlp_cpu.yaml", "--config", str(bad))
+    assert code not in (0, None)
+    assert "max_stepz" in err
+    assert "Traceback" not in err
 
 
 def test_ckpt_path_auto_starts_fresh_then_resumes(tmp_path, caplog):
@@ -151,8 +176,8 @@ def test_ckpt_path_auto_without_a_seed_warns_naming_the_fix(tmp_path):
         build_cli(args)
 
 
-def test_ckpt_path_auto_without_preemption_callback_is_an_error(tmp_path):
-    result = run_cli(
+def test_ckpt_path_auto_without_preemption_callback_is_an_error(tmp_path, cli_in_process):
+    code, err = cli_in_process(
         "fit",
         "--config",
         "recipes/mlp_cpu.yaml",
@@ -163,8 +188,8 @@ def test_ckpt_path_auto_without_preemption_callback_is_an_error(tmp_path):
         "--trainer.default_root_dir",
         str(tmp_path),
     )
-    assert result.returncode != 0
-    assert "--ckpt_path auto needs a PreemptionCheckpoint callback" in result.stderr
+    assert code not in (0, None)
+    assert "--ckpt_path auto needs a PreemptionCheckpoint callback" in err
 
 
 def test_a_step_bounded_recipe_shows_steps_not_epoch_minus_two(tmp_path):

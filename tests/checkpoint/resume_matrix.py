@@ -2,7 +2,9 @@
 
     python tests/checkpoint/resume_matrix.py CONFIG_JSON OUT_DIR
 
-CONFIG_JSON: {"loader": "resumable"|"stateful"|"dali", "accumulate": 1|3, "val": bool, "async_save": bool,
+CONFIG_JSON is one config or a list of them (all with the same "devices"), run one after another in this process,
+config i in OUT_DIR/i: like a sweep, one process start and one set of imports for all. A config:
+{"loader": "resumable"|"stateful"|"dali", "accumulate": 1|3, "val": bool, "async_save": bool,
 "devices": 1|2, "workers": 0|2, "augment": bool, "scenarios": [...]} (see SCENARIOS). Every scenario runs
 attempts in this process, each like a fresh run of the same script (seed_everything, new model and data,
 resume from the newest valid checkpoint): an attempt is stopped by a SIGTERM the run sends itself (rank 1
@@ -320,10 +322,18 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    out = Path(sys.argv[2])
+    configs, out = json.loads(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
     close_gloo_process_group_at_exit()  # stock "ddp" on gloo, as a user would run it
+    if isinstance(configs, dict):
+        run_config(configs, out)
+    else:
+        for i, cfg in enumerate(configs):
+            run_config(cfg, out / str(i))
+
+
+def run_config(cfg: dict[str, Any], out: Path) -> None:
+    """The reference run and every scenario of one config; writes OUT/result_rank{R}.json."""
     code, trainer, model = fit(cfg, out / "reference" / "ck", None)
     if code != 0:
         raise SystemExit(f"the uninterrupted reference run exited with code {code}")

@@ -47,10 +47,8 @@ CONFIGS = [
 ]
 
 
-def run_matrix(
-    tmp_path: Path, loader: str, accumulate: int, val: bool, async_save: bool, devices: int, workers: int
-) -> dict[int, dict]:
-    cfg = {
+def matrix_config(loader: str, accumulate: int, val: bool, async_save: bool, devices: int, workers: int) -> dict:
+    return {
         "loader": loader,
         "accumulate": accumulate,
         "val": val,
@@ -60,15 +58,29 @@ def run_matrix(
         "augment": workers > 0,
         "scenarios": scenarios(accumulate, val),
     }
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), json.dumps(cfg), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return {rank: json.loads((tmp_path / f"result_rank{rank}.json").read_text()) for rank in range(devices)}
+
+
+@pytest.fixture(scope="module")
+def matrix_results(tmp_path_factory) -> dict[tuple, dict[int, dict]]:
+    """Every config's results by rank: one subprocess runs all one-process configs in turn, one 2-rank DDP launch
+    all 2-rank ones (each config's attempts already run as fresh fits in one process, as a sweep would)."""
+    results = {}
+    for devices in sorted({c[4] for c in CONFIGS}):
+        group = [c for c in CONFIGS if c[4] == devices]
+        out = tmp_path_factory.mktemp(f"matrix{devices}")
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), json.dumps([matrix_config(*c) for c in group]), str(out)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        for i, config in enumerate(group):
+            results[config] = {
+                r: json.loads((out / str(i) / f"result_rank{r}.json").read_text()) for r in range(devices)
+            }
+    return results
 
 
 @pytest.mark.slow
@@ -77,9 +89,9 @@ def run_matrix(
     ("loader", "accumulate", "val", "async_save", "devices", "workers"), CONFIGS, ids=lambda v: str(v)
 )
 def test_interrupted_runs_end_bitwise_equal_to_the_uninterrupted_run(
-    tmp_path, loader, accumulate, val, async_save, devices, workers
+    matrix_results, loader, accumulate, val, async_save, devices, workers
 ):
-    results = run_matrix(tmp_path, loader, accumulate, val, async_save, devices, workers)
+    results = matrix_results[(loader, accumulate, val, async_save, devices, workers)]
     for rank, by_scenario in results.items():
         assert sorted(by_scenario) == sorted(scenarios(accumulate, val))
         for name, r in by_scenario.items():

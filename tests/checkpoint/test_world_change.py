@@ -407,9 +407,13 @@ def test_zero2_zero3_and_fsdp2_go_from_two_ranks_to_one_and_on_training_the_unin
     own 2 -> 1 -> 2 is the DALI test below and tests/launch/test_fleet.py.)"""
     whole = tmp_path / "whole"
     launch(2, whole, "whole")
+    # each launch runs the strategies' fits in turn in its processes (one launch per attempt, not per strategy)
+    launch(2, tmp_path, "two", "2", WORLD_CHANGE_STRATEGIES="zero2,zero3,fsdp")
+    launch(1, tmp_path, "one", "8", WORLD_CHANGE_STRATEGIES="zero2,zero3,fsdp")
+    launch(2, tmp_path, "two-again", WORLD_CHANGE_STRATEGIES="zero2,zero3")
+    launch(4, tmp_path, "two-again", WORLD_CHANGE_STRATEGIES="fsdp")  # (the phase keeps its name at 4 ranks)
     for strategy in ("zero2", "zero3", "fsdp"):
         changing = tmp_path / strategy
-        two_then_one_then(changing, last=4 if strategy == "fsdp" else 2, WORLD_CHANGE_STRATEGY=strategy)
         assert_trains_the_uninterrupted_run(changing, whole)
         converted = sorted(p.parent.name for p in (changing / "ck").glob("*/checkpoint_universal"))
         assert converted == ([] if strategy == "fsdp" else ["step=00000003.ckpt", "step=00000009.ckpt"]), strategy

@@ -6,7 +6,9 @@ A model this test defines (BatchNorm between two linears, AdamW, a per-step LR s
 at 2 ranks, validation every epoch, ResumableDataLoader with shuffle; with WORLD_CHANGE_DATA=dali, DALIImageDataModule
 over arrays instead (DALI's CPU backend; the crop keeps the whole image and nothing flips, so the weights can be
 compared). DDP, or with WORLD_CHANGE_STRATEGY=zero2 / zero3 the accel_zero presets' settings on DeepSpeed's CPU engine,
-or a preset by name (WORLD_CHANGE_STRATEGY=accel_zero2 with WORLD_CHANGE_ACCELERATOR=gpu).
+fsdp for FSDP2 saving DCP folders, or a preset by name (WORLD_CHANGE_STRATEGY=accel_zero2 with
+WORLD_CHANGE_ACCELERATOR=gpu). WORLD_CHANGE_STRATEGIES=zero2,zero3,fsdp instead runs one fit per strategy in turn in
+the same processes, each in OUT_DIR/NAME.
 Every rank appends what it trained to OUT_DIR/PHASE-rankR.json: for each micro-batch the global step it belongs to
 and its sample ids; rank 0 adds the final step, LR and parameters. With STOP_AT_STEP, rank 0 gets a SIGTERM at the
 batch after that step (inside an accumulation window); PreemptionCheckpoint saves at the next optimizer step and the
@@ -122,18 +124,18 @@ def dali_data():
     )
 
 
-ZERO = {"zero2": 2, "zero3": 3}.get(os.environ.get("WORLD_CHANGE_STRATEGY", ""))
+ZERO_STAGES = {"zero2": 2, "zero3": 3}
 
 
-def strategy():
-    if os.environ.get("WORLD_CHANGE_STRATEGY", "").startswith("accel_"):  # a preset by name (on GPUs)
-        return os.environ["WORLD_CHANGE_STRATEGY"]
-    if os.environ.get("WORLD_CHANGE_STRATEGY") == "fsdp":  # FSDP2, its checkpoints torch DCP folders
+def strategy(name: str):
+    if name.startswith("accel_"):  # a preset by name (on GPUs)
+        return name
+    if name == "fsdp":  # FSDP2, its checkpoints torch DCP folders
         return AccelFSDPStrategy(save_distributed_checkpoint=True)
-    if ZERO:
+    if name in ZERO_STAGES:
         from tests.strategies.cpu_deepspeed import cpu_deepspeed
 
-        return cpu_deepspeed(ZERO, int(os.environ.get("WORLD_SIZE", "1")))
+        return cpu_deepspeed(ZERO_STAGES[name], int(os.environ.get("WORLD_SIZE", "1")))
     return "ddp"
 
 
@@ -141,10 +143,10 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def whole_parameters(model: Net) -> dict[str, list]:
+def whole_parameters(model: Net, zero3: bool) -> dict[str, list]:
     """The parameters as lists; under ZeRO-3 and FSDP2 each rank holds a slice, gathered here (on every rank: a
     collective)."""
-    if ZERO != 3:
+    if not zero3:
         return {name: full_tensor(p.detach()).tolist() for name, p in model.named_parameters()}
     import deepspeed
 
@@ -152,10 +154,10 @@ def whole_parameters(model: Net) -> dict[str, list]:
         return {name: p.detach().tolist() for name, p in model.named_parameters()}
 
 
-def main(out: Path, phase: str, stop_at: int | None) -> None:
+def attempt(out: Path, phase: str, stop_at: int | None, strategy_name: str) -> None:
+    """One attempt's fit under one strategy, writing OUT/PHASE-rankR.json."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dali = os.environ.get("WORLD_CHANGE_DATA") == "dali"
-    close_gloo_process_group_at_exit()  # stock "ddp" on gloo, as a user would run it
     torch.manual_seed(0)
     model = Images() if dali else Net()
     callbacks = [PreemptionCheckpoint(out / "ck", keep_last=None), *([SigtermAt(stop_at)] if stop_at else [])]
@@ -163,7 +165,7 @@ def main(out: Path, phase: str, stop_at: int | None) -> None:
         **quiet_trainer_kwargs(
             accelerator=os.environ.get("WORLD_CHANGE_ACCELERATOR", "cpu"),
             devices=world_size,
-            strategy=strategy(),
+            strategy=strategy(strategy_name),
             max_epochs=2,
             accumulate_grad_batches=ACCUMULATE_AT_2,  # as the user's script says; a resume at 1 rank doubles it
             default_root_dir=str(out),
@@ -179,11 +181,22 @@ def main(out: Path, phase: str, stop_at: int | None) -> None:
     except Preempted:
         pass
     record = {"world_size": world_size, "trained": model.trained, "accumulate": trainer.accumulate_grad_batches}
-    params = whole_parameters(model)
+    params = whole_parameters(model, zero3=strategy_name == "zero3")
     if trainer.global_rank == 0:
         record.update(global_step=trainer.global_step, lr=trainer.optimizers[0].param_groups[0]["lr"], params=params)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{phase}-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def main(out: Path, phase: str, stop_at: int | None) -> None:
+    """The fit under WORLD_CHANGE_STRATEGY in OUT; or each of WORLD_CHANGE_STRATEGIES in turn in OUT/NAME, the way a
+    sweep runs several fits in one process (one launch and one process group for all, their imports paid once)."""
+    close_gloo_process_group_at_exit()  # stock "ddp" on gloo, as a user would run it
+    if "WORLD_CHANGE_STRATEGIES" in os.environ:
+        for name in os.environ["WORLD_CHANGE_STRATEGIES"].split(","):
+            attempt(out / name, phase, stop_at, name)
+    else:
+        attempt(out, phase, stop_at, os.environ.get("WORLD_CHANGE_STRATEGY", "ddp"))
 
 
 if __name__ == "__main__":

@@ -192,24 +192,24 @@ def test_fsdp_shards_the_children_a_training_step_may_call_beside_the_blocks():
     ]
 
 
-def run_two_ranks(tmp_path: Path, strategy: str, *extra: str) -> Path:
-    out = tmp_path / (strategy + "".join(extra))
-    out.mkdir()
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests/strategies/train_distributed.py"),
-            "--strategy",
-            strategy,
-            "--out",
-            str(out),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+# One two-rank launch trains every configuration below in turn (tests/strategies/train_distributed.py --run): the
+# process start and the imports are paid once, not once per configuration.
+RUNS = {
+    "ddp": "--strategy accel_ddp",
+    "fsdp": "--strategy accel_fsdp_fp32",
+    "fsdp_ac": "--strategy accel_fsdp_fp32 --activation-checkpointing",
+    "fsdp_bf16": "--strategy accel_fsdp",
+    "fsdp_fp8": "--strategy accel_fsdp_fp32 --fp8",  # torchao's emulation on CPU; the all-gather path is the GPU's
+    "ddp_compile": "--strategy accel_ddp --compile --max-steps 10",
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("two_ranks")
+    cmd = [sys.executable, str(ROOT / "tests/strategies/train_distributed.py"), "--out", str(out)]
+    cmd += [arg for name, options in RUNS.items() for arg in ("--run", f"{name}={options}")]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
@@ -220,21 +220,14 @@ def load_rank(out: Path, rank: int):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ddp_and_fsdp2_train_for_real_on_gloo(tmp_path):
+def test_ddp_and_fsdp2_train_for_real_on_gloo(two_rank_runs):
     results = {}
-    runs = {
-        "ddp": ("accel_ddp",),
-        "fsdp": ("accel_fsdp_fp32",),
-        "fsdp_ac": ("accel_fsdp_fp32", "--activation-checkpointing"),
-        "fsdp_bf16": ("accel_fsdp",),
-        "fsdp_fp8": ("accel_fsdp_fp32", "--fp8"),  # torchao's emulation on CPU; the all-gather path is the GPU's
-    }
-    for key, (strategy, *extra) in runs.items():
-        out = run_two_ranks(tmp_path, strategy, *extra)
+    for key in ("ddp", "fsdp", "fsdp_ac", "fsdp_bf16", "fsdp_fp8"):
+        out = two_rank_runs / key
         w0, losses0 = load_rank(out, 0)
         w1, losses1 = load_rank(out, 1)
-        assert all(torch.equal(w0[k], w1[k]) for k in w0), f"{strategy}: ranks disagree"
-        assert losses0[-1] < 0.5 * losses0[0], f"{strategy}: loss did not fall ({losses0[0]} -> {losses0[-1]})"
+        assert all(torch.equal(w0[k], w1[k]) for k in w0), f"{key}: ranks disagree"
+        assert losses0[-1] < 0.5 * losses0[0], f"{key}: loss did not fall ({losses0[0]} -> {losses0[-1]})"
         assert losses0 != losses1  # each rank saw its own shard of the data
         ckpts = list((out / "ckpt").iterdir())
         assert [p.name for p in ckpts] == ["epoch=1-step=30.ckpt"] and ckpts[0].is_file()  # one file, rank 0
@@ -251,7 +244,7 @@ def test_ddp_and_fsdp2_train_for_real_on_gloo(tmp_path):
     assert not all(torch.equal(results["fsdp_bf16"][k], v) for k, v in results["fsdp"].items())
     # fp8 under FSDP2: every block's linear layers converted, their shards torchao's fp8-casting weights (FSDP2
     # all-gathers them in fp8), state-dict keys unchanged, and the numerics really are fp8's
-    fp8 = json.loads((tmp_path / "accel_fsdp_fp32--fp8" / "fp8_rank0.json").read_text())
+    fp8 = json.loads((two_rank_runs / "fsdp_fp8" / "fp8_rank0.json").read_text())
     assert fp8["converted"] == [f"blocks.{b}.{layer}" for b in (0, 1) for layer in ("qkv", "proj", "mlp.0", "mlp.2")]
     assert "WeightWithDynamicFloat8CastTensor" in fp8["shards"]
     assert set(results["fsdp_fp8"]) == set(results["fsdp"])
@@ -260,12 +253,12 @@ def test_ddp_and_fsdp2_train_for_real_on_gloo(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ddp_with_compile_callback_on_gloo(tmp_path):
-    out = run_two_ranks(tmp_path, "accel_ddp", "--compile", "--max-steps", "10")
-    w0, losses = load_rank(out, 0)
-    w1, _ = load_rank(out, 1)
+def test_ddp_with_compile_callback_on_gloo(two_rank_runs):
+    w0, losses = load_rank(two_rank_runs / "ddp_compile", 0)
+    w1, _ = load_rank(two_rank_runs / "ddp_compile", 1)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert losses[-1] < losses[0]
+    assert len(losses) == 10 and w0.keys() == load_rank(two_rank_runs / "ddp", 0)[0].keys()
 
 
 @pytest.mark.slow

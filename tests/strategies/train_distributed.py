@@ -1,6 +1,11 @@
 """Two-rank training used by the strategy tests: writes each rank's final weights and losses.
 
 python tests/strategies/train_distributed.py --strategy accel_ddp --out DIR [--devices 2]
+python tests/strategies/train_distributed.py --out DIR --run "NAME=--strategy accel_ddp" --run "NAME2=..." ...
+
+Each ``--run`` is one fit with its own options, in DIR/NAME, one after another in the same two processes (Lightning's
+launcher starts the second rank once; later Trainers find the ranks and the process group there), so a matrix of
+strategies pays the imports and the process start once.
 """
 
 from __future__ import annotations
@@ -40,10 +45,11 @@ def full_state(trainer: Trainer, model: TinyGPT) -> dict[str, torch.Tensor]:
     return state
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", required=True)
+    p.add_argument("--strategy")
     p.add_argument("--out", required=True)
+    p.add_argument("--run", action="append", default=[], help="NAME=OPTIONS: one fit of several, in OUT/NAME")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--compile", action="store_true")
@@ -51,7 +57,11 @@ def main() -> None:
     p.add_argument("--activation-checkpointing", action="store_true", help="fp32 FSDP2 with activation checkpointing")
     p.add_argument("--sharded-checkpoints", help="fp32 FSDP2 saving torch DCP folders to this folder or bucket URL")
     p.add_argument("--resume", action="store_true", help="resume from the newest valid folder there")
-    args = p.parse_args()
+    return p
+
+
+def fit(args: argparse.Namespace) -> None:
+    """One fit as ``args`` say; every rank writes its weights, losses and strategy to ``args.out``."""
     torch.set_num_threads(1)
     seed_everything(0)
     out = Path(args.out)
@@ -91,6 +101,16 @@ def main() -> None:
         (out / f"fp8_rank{rank}.json").write_text(
             json.dumps({"converted": record_fp8.converted, "shards": sorted(local)})
         )
+
+
+def main() -> None:
+    args = parser().parse_args()
+    runs = [(name, options.split()) for name, options in (run.split("=", 1) for run in args.run)]
+    for name, options in runs:
+        (Path(args.out) / name).mkdir(parents=True, exist_ok=True)
+        fit(parser().parse_args([*options, "--out", str(Path(args.out) / name)]))
+    if not runs:
+        fit(args)
     if torch.distributed.is_initialized():
         # Both ranks have written their files before either exits: the test reads rank 1's files as
         # soon as rank 0 (the launching process) ends.
