@@ -1,9 +1,10 @@
 """Two gloo ranks train on a stream through ResumableStreamLoader: whole, cut by a SIGTERM to rank 1, resumed.
 
-torchrun --nproc-per-node 2 tests/data/stream_ddp.py OUT_DIR PHASE [STOP_AT]
+torchrun --nproc-per-node 2 tests/data/stream_ddp.py OUT_DIR PHASES [STOP_AT]
 
-PHASE is ``whole``, ``cut`` or ``resume``. Each rank writes the sample ids it trained on and a digest of its
-final weights to OUT_DIR/PHASE-rankR.json. The stream shards itself by rank and by loader worker.
+PHASES is ``whole``, ``cut`` or ``resume``, or several of them comma-separated, run in turn in the same ranks. Each
+rank writes the sample ids it trained on and a digest of its final weights to OUT_DIR/PHASE-rankR.json. The stream
+shards itself by rank and by loader worker.
 """
 
 from __future__ import annotations
@@ -71,4 +72,6 @@ def main(out: Path, phase: str, stop_at: int | None) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    # PHASES: one phase, or several (whole,cut,resume) run in turn in these two processes, each a fresh fit
+    for name in sys.argv[2].split(","):
+        main(Path(sys.argv[1]), name, int(sys.argv[3]) if len(sys.argv) > 3 else None)
