@@ -65,18 +65,18 @@ def test_fsdp2_dcp_folders_in_a_bucket_resume_bitwise_on_two_ranks_and_resharded
     From the bucket itself, one rank resumes the two-rank folder to step 15 (resharded), and two ranks resume that
     to step 20, within rtol 1e-4 of the 20-step run."""
 
-    def launch(out: Path, *extra: str, devices: int = 2) -> Path:
-        out.mkdir()
-        cmd = [sys.executable, str(ROOT / "tests/strategies/train_distributed.py"), "--strategy", "accel_fsdp_fp32"]
-        cmd += ["--devices", str(devices)]
-        proc = subprocess.run([*cmd, "--out", str(out), *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    def launch(runs: dict[str, str], devices: int = 2) -> None:
+        """Each run (NAME: its options) one after another in one launch on ``devices`` ranks, in tmp_path/NAME."""
+        cmd = [sys.executable, str(ROOT / "tests/strategies/train_distributed.py"), "--out", str(tmp_path)]
+        options = f"--strategy accel_fsdp_fp32 --devices {devices}"
+        cmd += [arg for name, extra in runs.items() for arg in ("--run", f"{name}={options} {extra}")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        return out
 
     url = f"s3://{bucket}/fsdp"
     fs = fsspec.filesystem("s3")
-    full = launch(tmp_path / "full", "--max-steps", "20")
-    launch(tmp_path / "first", "--max-steps", "10", "--sharded-checkpoints", url)
+    launch({"full": "--max-steps 20", "first": f"--max-steps 10 --sharded-checkpoints {url}"})
+    full = tmp_path / "full"
     manifest = json.loads(fs.cat_file(f"{bucket}/fsdp/step=00000010.ckpt.manifest.json"))
     assert manifest["global_step"] == 10 and manifest["kind"] == "folder"
     assert {".metadata", "meta.pt"} <= set(manifest["files"])  # DCP's index, Lightning's loop/callback state
@@ -92,15 +92,21 @@ def test_fsdp2_dcp_folders_in_a_bucket_resume_bitwise_on_two_ranks_and_resharded
     assert find_resume_checkpoint(ckpts) == str(ckpts / "step=00000010.ckpt")
     # the node holding rank 1 is gone: one rank reads both ranks' shards back from the bucket (DCP reshards) and
     # accumulates 2 to step 15; then a node joins and two ranks reshard the one-rank folder back and go on to step 20
-    launch(tmp_path / "one", "--max-steps", "15", "--sharded-checkpoints", url, "--resume", devices=1)
+    launch({"one": f"--max-steps 15 --sharded-checkpoints {url} --resume"}, devices=1)
     assert find_resume_checkpoint(url).endswith("step=00000015.ckpt")
-    two = launch(tmp_path / "two", "--max-steps", "20", "--sharded-checkpoints", url, "--resume")
+    # then, in one launch: two ranks go on from the bucket, and two resume the local copy of the first run's folders
+    launch(
+        {
+            "two": f"--max-steps 20 --sharded-checkpoints {url} --resume",
+            "resumed": f"--max-steps 20 --sharded-checkpoints {ckpts} --resume",
+        }
+    )
+    two, resumed = tmp_path / "two", tmp_path / "resumed"
     expected = torch.load(full / "weights_rank0.pt")
     for name, got in torch.load(two / "weights_rank0.pt").items():
         if name.endswith("qkv.bias"):  # the key bias cancels in softmax: AdamW turns its zero gradient's rounding
             got, expected[name] = got.view(3, -1)[0::2], expected[name].view(3, -1)[0::2]  # noise into lr-sized steps
         torch.testing.assert_close(got, expected[name], rtol=1e-4, atol=1e-6, msg=name)
-    resumed = launch(tmp_path / "resumed", "--max-steps", "20", "--sharded-checkpoints", str(ckpts), "--resume")
     for rank in (0, 1):
         expected = torch.load(full / f"weights_rank{rank}.pt")
         got = torch.load(resumed / f"weights_rank{rank}.pt")
