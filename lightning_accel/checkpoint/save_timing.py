@@ -9,17 +9,19 @@ from lightning_accel.checkpoint.async_io import AsyncWrite
 
 class SaveTimer:
     """Each save's start-to-durable seconds in :attr:`seconds`; the first one over ``grace_period_s`` warns, with
-    the numbers and the fixes. A synchronous save is timed at once; an async one when its write is durable."""
+    the numbers and the fixes (once: the saves after it are no news). A synchronous save is timed at once; an async
+    one when its write is durable."""
 
     def __init__(self, grace_period_s: float) -> None:
         if grace_period_s <= 0:
             raise ValueError(f"grace_period_s must be positive, got {grace_period_s}")
         self.grace_period_s = grace_period_s
         self.seconds: list[float] = []
+        self._warned = False
         self._untimed: tuple[float, AsyncWrite] | None = None  # an async save's start, until its write is durable
 
     def reset(self) -> None:
-        self.seconds, self._untimed = [], None
+        self.seconds, self._warned, self._untimed = [], False, None
 
     def wait_for(self, started: float, write: AsyncWrite) -> None:
         """An async save that started at ``started`` (monotonic clock): timed once ``write`` is durable."""
@@ -33,8 +35,9 @@ class SaveTimer:
 
     def record(self, seconds: float) -> None:
         self.seconds.append(seconds)
-        if len(self.seconds) > 1 or seconds <= self.grace_period_s:
+        if self._warned or seconds <= self.grace_period_s:
             return
+        self._warned = True
         rank_zero_warn(
             f"PreemptionCheckpoint: a save took {seconds:.1f} s from start to durable, over the "
             f"{self.grace_period_s:g} s grace period between a preemption signal and SIGKILL "
