@@ -11,7 +11,7 @@ RECIPE ?= recipes/tiny_gpt_cpu.yaml
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[all,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -29,10 +29,10 @@ prometheus-server:
 		$(SUDO) apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }; }
 
-# Two workers, whole files each (a file's shared reference runs are computed once): on 2 cores the suite takes
-# about two thirds of its serial time, since most tests keep one core busy or wait on their subprocesses.
+# Two workers, whole files each (a file's shared reference runs are computed once), the longest files first
+# (tests/conftest.py LONGEST_FIRST; xdist's own reorder, by number of tests, is turned off so that order holds).
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # tests/checkpoint/test_bucket.py's Azure case runs against Azurite, Microsoft's Azure Storage emulator (npm registry)
 AZURITE := .azurite/node_modules/.bin/azurite-blob

@@ -20,6 +20,7 @@ from lightning_accel.data import (
     SyntheticClassificationDataModule,
     SyntheticTokenDataModule,
 )
+from lightning_accel.extras import MissingExtra
 from lightning_accel.float8 import Float8Training
 from lightning_accel.monitor import (
     HANG_EXIT_CODE,
@@ -53,6 +54,7 @@ __all__ = [
     "GoodputMonitor",
     "HangSentinel",
     "IdleMonitor",
+    "MissingExtra",
     "Preempted",
     "PreemptionCheckpoint",
     "PreemptionNotices",

@@ -23,6 +23,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from lightning_accel.extras import MissingExtra, available
+
 log = logging.getLogger(__name__)
 
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -144,8 +146,10 @@ class Float8Training(Callback):
         self.skipped: dict[str, str] = {}  # the layers kept, and why
         self._fsdp_all_gather = False
         missing = None if emulate else fp8_hardware()
-        if missing is None:
-            missing = _torchao_missing()
+        if missing is None and not available("torchao"):
+            if on_unsupported == "error":
+                raise MissingExtra("Float8Training", "fp8")
+            missing = "torchao is not installed (pip install 'lightning-accel[fp8]')"
         self.active = missing is None
         if missing is not None and on_unsupported == "error":
             raise ValueError(
@@ -188,11 +192,3 @@ class Float8Training(Callback):
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(pl_module)
-
-
-def _torchao_missing() -> str | None:
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError as err:
-        return f"torchao is not importable ({err}): pip install torchao"
-    return None

@@ -9,6 +9,7 @@ modules and functions stay short unless listed with a reason.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
 
 # Floors, lowest first: a room imports only from rooms on lower floors (and from within itself).
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_compat",),  # every Lightning private name we use
+    ("_compat", "extras"),  # every Lightning private name we use; which pip extra each optional feature needs
     ("phases", "host", "figures", "ranks", "storage"),  # phase table, host facts, figures, per-rank values, storage
     ("precision", "compile", "float8", "data", "strategies", "checkpoint", "models", "testing"),  # training is made of
     ("monitor",),  # observes training: may recognise a checkpoint writer, never changes training
@@ -37,7 +38,6 @@ LAZY_IMPORTS = {
     "hta": "HolisticTraceAnalysis, the [profile] extra, read only for GPU traces",
     "transformer_engine": "optional, GPU only: probed to offer fp8 in tune",
     "torchao": "float8 training: imported when Float8Training converts a model (its CUDA kernels load at import)",
-    "prometheus_client": "the [prometheus] extra, imported when the exporter starts",
     "pynvml": "NVML: its import is tried only when a CUDA device is visible (a clear reason logged if it fails)",
     "lightning_accel.data.dali": "DALI: a heavy import (CUDA libraries), done on first use of a DALI name",
     "lightning_accel.data.dali_loader": "DALI: a heavy import (CUDA libraries), done on first use of a DALI name",
@@ -234,3 +234,27 @@ def test_modules_and_functions_stay_short_unless_a_reason_is_given(graph):
                 if length > MAX_FUNCTION_LINES and f"{rel}:{node.name}" not in LONG_FUNCTIONS:
                     long.append(f"{rel}:{node.name}: {length} lines")
     assert long == []
+
+
+def test_every_module_is_named_in_the_architecture_doc(graph):
+    """docs/architecture.md names each module file (``name.py``, in its room's row; a package's ``__init__`` is its
+    room): a module added without saying where it lives fails here."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    unnamed = [
+        str(path.relative_to(PACKAGE.parent))
+        for path in graph.modules.values()
+        if path.name != "__init__.py" and path.name not in doc
+    ]
+    assert unnamed == []
+
+
+def test_every_test_file_the_code_and_docs_point_to_exists():
+    """Comments and guides that send a reader to ``tests/....py``, and the suite's longest-first order, name files
+    that are there (tests move)."""
+    root = PACKAGE.parent
+    pointing = [*PACKAGE.rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md", root / "tests/conftest.py"]
+    texts = [p.read_text() for p in pointing]
+    named = {
+        m for text in [*texts, (root / "pyproject.toml").read_text()] for m in re.findall(r"tests/[\w/]+\.py", text)
+    }
+    assert named and sorted(n for n in named if not (root / n).is_file()) == []

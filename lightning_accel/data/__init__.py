@@ -10,6 +10,7 @@ from lightning_accel.data.resumable import ResumableDataLoader, ResumableSampler
 from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
 from lightning_accel.data.stream import ResumableStreamLoader
 from lightning_accel.data.synthetic import SyntheticClassificationDataModule, SyntheticTokenDataModule
+from lightning_accel.extras import require
 
 _DALI_NAMES = {"DALIImageDataModule", "DALILoader", "find_unreadable_images", "scan_image_folder"}
 
@@ -30,6 +31,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _DALI_NAMES:
+        require("dali", f"lightning_accel.data.{name}")  # before DALI's import fails deep inside ours
         from lightning_accel.data import dali, dali_loader
 
         return getattr(dali_loader, name, None) or getattr(dali, name)

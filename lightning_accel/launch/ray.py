@@ -23,18 +23,14 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_accel.checkpoint import PreemptionCheckpoint
+from lightning_accel.extras import require
 from lightning_accel.recipe import AccelCLI, build_cli
 
 log = logging.getLogger(__name__)
 
-MISSING = "Ray Train is not installed: pip install 'lightning-accel[ray]'"
-
 
 def _require_ray() -> None:
-    try:
-        import ray.train.lightning  # noqa: F401
-    except ImportError as err:
-        raise ImportError(MISSING) from err
+    require("ray", "lightning-accel fit --ray.*")
 
 
 class RayReport(Callback):

@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
 log = logging.getLogger(__name__)
 
 PREFIX = "lightning_accel_"
@@ -50,12 +52,6 @@ class PrometheusExporter:
     def start(self, local_rank: int = 0) -> None:
         if self._server is not None:
             return
-        try:
-            from prometheus_client import CollectorRegistry, start_http_server
-        except ImportError as err:
-            raise ImportError(
-                "Prometheus export needs prometheus_client: pip install 'lightning-accel[prometheus]'"
-            ) from err
         self._registry = CollectorRegistry()
         port = self.port + local_rank if self.port else 0
         try:
@@ -76,7 +72,6 @@ class PrometheusExporter:
     def publish(self, metrics: Mapping[str, float], rank: int = 0, local_rank: int = 0) -> None:
         """Set one gauge per metric, labelled ``run``, ``host`` and ``rank``; starts the server on first use."""
         self.start(local_rank)
-        from prometheus_client import Gauge
 
         for key, value in metrics.items():
             name = series_name(key)

@@ -26,6 +26,7 @@ from lightning_accel.storage.transfer import (
 from lightning_accel.storage.trust import parse_json_object
 from lightning_accel.storage.urls import (
     CLOUD_EXTRA,
+    MissingStorageBackend,
     UnsupportedStorageError,
     check_storage_url,
     filesystem,
@@ -38,6 +39,7 @@ __all__ = [
     "CACHE_ENV",
     "CLOUD_EXTRA",
     "Backoff",
+    "MissingStorageBackend",
     "OutageLog",
     "StoreError",
     "UnsupportedStorageError",

@@ -17,8 +17,11 @@ import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.registry import known_implementations
 
+from lightning_accel.extras import MissingExtra
+
 __all__ = [
     "CLOUD_EXTRA",
+    "MissingStorageBackend",
     "UnsupportedStorageError",
     "check_storage_url",
     "filesystem",
@@ -38,6 +41,17 @@ _CLOUD_BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "
 
 class UnsupportedStorageError(ValueError):
     """A URL whose scheme has no fsspec backend installed here, or no known backend at all."""
+
+
+class MissingStorageBackend(UnsupportedStorageError, MissingExtra):
+    """An object store's backend (s3fs, gcsfs, adlfs) is not installed: the [cloud] extra installs it."""
+
+    def __init__(self, message: str, package: str) -> None:
+        MissingExtra.__init__(self, "object storage", "cloud", package)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 def scheme_of(path: str | os.PathLike[str]) -> str | None:
@@ -77,10 +91,10 @@ def check_storage_url(url: str | os.PathLike[str], what: str = "dirpath") -> Non
         fsspec.get_filesystem_class(scheme)
     except ImportError as err:
         package = _CLOUD_BACKENDS.get(scheme)
-        fix = f"{CLOUD_EXTRA} (it installs {package})" if package else f"install the backend fsspec names: {err}"
-        raise UnsupportedStorageError(
-            f"{what}={redact(url)!r}: the {scheme}:// backend is not installed. Fix: {fix}"
-        ) from None
+        message = f"{what}={redact(url)!r}: the {scheme}:// backend is not installed. Fix: "
+        if package:
+            raise MissingStorageBackend(message + f"{CLOUD_EXTRA} (it installs {package})", package) from None
+        raise UnsupportedStorageError(message + f"install the backend fsspec names: {err}") from None
 
 
 def filesystem(url: str) -> tuple[AbstractFileSystem, str]:

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accel._compat import deepspeed_loads_universal
+from lightning_accel.extras import require
 from lightning_accel.strategies.deepspeed_universal import saved_data_parallel_size, universal_checkpoint_for
 from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit
 
@@ -64,6 +65,7 @@ class AccelDeepSpeedStrategy(DeepSpeedStrategy):
     follows_world_size = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        require("deepspeed", "AccelDeepSpeedStrategy (the accel_zero presets)")
         if isinstance(kwargs.get("config"), dict):
             # Lightning writes run settings (batch size, precision) into the dict: never into a preset's.
             kwargs["config"] = copy.deepcopy(kwargs["config"])
