@@ -1,0 +1,38 @@
+"""DataModules: built-in synthetic data, resumable loaders, and DALI pipelines (GPU or CPU backend).
+
+The DALI names are imported on first use: DALI is large and slow to import, and a tool that only
+needs the synthetic data (or a machine without DALI) should not pay for it.
+"""
+
+from typing import Any
+
+from lightning_accel.data.resumable import ResumableDataLoader, ResumableSampler
+from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
+from lightning_accel.data.stream import ResumableStreamLoader
+from lightning_accel.data.synthetic import SyntheticClassificationDataModule, SyntheticTokenDataModule
+from lightning_accel.extras import require
+
+_DALI_NAMES = {"DALIImageDataModule", "DALILoader", "find_unreadable_images", "scan_image_folder"}
+
+__all__ = [
+    "DALIImageDataModule",
+    "DALILoader",
+    "PerSampleSeed",
+    "ResumableDataLoader",
+    "ResumableSampler",
+    "ResumableStreamLoader",
+    "SyntheticClassificationDataModule",
+    "SyntheticTokenDataModule",
+    "find_unreadable_images",
+    "scan_image_folder",
+    "tag_epochs",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DALI_NAMES:
+        require("dali", f"lightning_accel.data.{name}")  # before DALI's import fails deep inside ours
+        from lightning_accel.data import dali, dali_loader
+
+        return getattr(dali_loader, name, None) or getattr(dali, name)
+    raise AttributeError(f"module 'lightning_accel.data' has no attribute {name!r}")

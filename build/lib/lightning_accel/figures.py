@@ -1,0 +1,15 @@
+"""Matplotlib for the PNGs we write (ledger, doctor, tune): headless, imported only when a figure is drawn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (no display on a training node)."""
+    import matplotlib  # lazy: matplotlib is an optional extra ([bench], [profile]) and slow to import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

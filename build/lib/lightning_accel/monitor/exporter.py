@@ -1,0 +1,117 @@
+"""Prometheus exporter shared by the monitors: one HTTP endpoint per process, every series labelled by run, host
+and rank.
+
+Each rank serves its own values on ``port + local_rank`` (one process cannot serve another's), so a scrape
+config lists one target per local rank on each node (docs/monitoring.md: N nodes x 8 ranks). Labels: ``run`` (the
+run's id, the same on every rank and every attempt: :func:`run_label`), ``host`` and ``rank`` (the global rank), so
+a fleet dashboard tells runs apart and picks one run's hosts, and the next run on the same ports is another series.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+log = logging.getLogger(__name__)
+
+PREFIX = "lightning_accel_"
+
+
+def series_name(key: str) -> str:
+    """Prometheus name of a metric key: ``goodput/data_share`` -> ``lightning_accel_goodput_data_share``."""
+    return PREFIX + key.replace("/", "_").replace(".", "_")
+
+
+class PrometheusExporter:
+    """Serve metrics as Prometheus gauges on ``addr:port + local_rank``.
+
+    Pass one exporter to several monitors (``GoodputMonitor(prometheus=exporter)``,
+    ``UtilizationMonitor(prometheus=exporter)``) to publish all of them on one endpoint. The server starts at
+    the first publish and stops at :meth:`close`; monitors given a port number instead create and close their
+    own. Binds to loopback by default, so nothing is exposed unintentionally.
+    """
+
+    def __init__(self, port: int = 9400, addr: str = "127.0.0.1", run: str | None = None) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self.port, self.addr = port, addr
+        self.given_run = run  # the `run` label the user chose; else each fit's run id (follow_run)
+        self.run = run or ""
+        self.host = socket.gethostname()
+        self.bound_port: int | None = None
+        self._server: Any = None
+        self._registry: Any = None
+        self._gauges: dict[str, Any] = {}
+
+    def start(self, local_rank: int = 0) -> None:
+        if self._server is not None:
+            return
+        self._registry = CollectorRegistry()
+        port = self.port + local_rank if self.port else 0
+        try:
+            self._server, _ = start_http_server(port, addr=self.addr, registry=self._registry)
+        except OSError as err:
+            raise OSError(
+                f"Cannot serve Prometheus metrics on {self.addr}:{port} ({err}); pick a free port "
+                "(prometheus=<port>) or stop the program using it"
+            ) from err
+        self.bound_port = self._server.server_address[1]
+        log.info("Prometheus metrics on http://%s:%d/metrics", self.addr, self.bound_port)
+
+    def follow_run(self, run: str) -> None:
+        """Label what follows with ``run`` (a fit's run id), unless the exporter was given one."""
+        if self.given_run is None:
+            self.run = run
+
+    def publish(self, metrics: Mapping[str, float], rank: int = 0, local_rank: int = 0) -> None:
+        """Set one gauge per metric, labelled ``run``, ``host`` and ``rank``; starts the server on first use."""
+        self.start(local_rank)
+
+        for key, value in metrics.items():
+            name = series_name(key)
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                gauge = self._gauges[name] = Gauge(name, key, ["run", "host", "rank"], registry=self._registry)
+            gauge.labels(run=self.run, host=self.host, rank=str(rank)).set(float(value))
+
+    @property
+    def published(self) -> set[str]:
+        """Names of the series published so far."""
+        return set(self._gauges)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server, self.bound_port = None, None
+        self._gauges.clear()
+
+
+def run_label(trainer: Any) -> str:
+    """The ``run`` label of a fit, the same on every rank (every rank must call this): the run id a callback keeps
+    across attempts (``PreemptionCheckpoint.run_id``); else ``LIGHTNING_ACCEL_RUN_ID`` or torchrun's
+    ``TORCHELASTIC_RUN_ID`` (``--rdzv-id``); else rank 0's fresh id for this fit."""
+    for callback in trainer.callbacks:
+        run_id = getattr(callback, "run_id", None)
+        if isinstance(run_id, str) and run_id:
+            return run_id
+    for name in ("LIGHTNING_ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(name, "")
+        if value and value != "none":
+            return value
+    return str(trainer.strategy.broadcast(uuid.uuid4().hex[:16], src=0))
+
+
+def resolve_exporter(prometheus: PrometheusExporter | int | None) -> tuple[PrometheusExporter | None, bool]:
+    """``(exporter, owned)`` for a monitor's ``prometheus=`` argument: an exporter, a port, or ``None``."""
+    if prometheus is None or isinstance(prometheus, PrometheusExporter):
+        return prometheus, False
+    if isinstance(prometheus, bool) or not isinstance(prometheus, int):
+        raise TypeError(f"prometheus must be a PrometheusExporter, a port number or None, got {prometheus!r}")
+    return PrometheusExporter(prometheus), True

@@ -1,0 +1,62 @@
+"""End-of-fit summary table shared by the monitoring callbacks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_accel.monitor.accounting import THROUGHPUT_KEYS, GoodputAccounting
+from lightning_accel.monitor.cost import Pricing
+from lightning_accel.monitor.ledger import BUCKETS
+from lightning_accel.monitor.membership import Change
+
+log = logging.getLogger(__name__)
+
+
+def format_value(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def print_summary(title: str, rows: Mapping[str, object], console: Console | None = None) -> None:
+    """Log ``rows`` and print them as a two-column rich table (on rank 0 only: callers check)."""
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in rows.items():
+        table.add_row(key, format_value(value))
+    log.info("%s: %s", title, ", ".join(f"{k}={format_value(v)}" for k, v in rows.items()))
+    (console or Console()).print(table)
+
+
+def goodput_rows(
+    results: Mapping[str, float], accounting: GoodputAccounting, pricing: Pricing | None, changes: Sequence[Change]
+) -> dict[str, object]:
+    """GoodputMonitor's end-of-fit table: buckets, throughput, restarts and membership changes, stragglers, cost."""
+    rows: dict[str, object] = {}
+    for bucket in BUCKETS:
+        rows[bucket] = f"{results[f'goodput/{bucket}_s']:.2f} s  {results[f'goodput/{bucket}_share']:6.1%}"
+    rows["goodput (compute share)"] = f"{results['goodput/compute_share']:.1%}"
+    for key in THROUGHPUT_KEYS:
+        if key in results:
+            rows[key.split("/", 1)[1]] = results[key]
+    if accounting.restarts:
+        rows["restarts"] = accounting.restarts
+        rows["lost steps / seconds"] = f"{accounting.lost_steps} / {accounting.lost_s:.1f} s"
+    for number, change in enumerate(changes, 1):
+        rows[f"membership change {number}"] = change.describe()
+    if accounting.straggler_ratio is not None:
+        rows["straggler ratio (slowest rank)"] = f"{accounting.straggler_ratio:.2f} (rank {accounting.slowest_rank})"
+    if "cost/total_usd" in results:
+        currency = pricing.currency if pricing is not None else "USD"
+        rows[f"cost ({currency}, {pricing.market if pricing else ''})"] = (
+            f"{results['cost/total_usd']:.4f}, of which lost to restarts {results['cost/lost_usd']:.4f}"
+        )
+        for key in ("cost/usd_per_million_samples", "cost/usd_to_finish"):
+            if key in results:
+                rows[key.split("/", 1)[1].replace("usd", currency).replace("_", " ")] = results[key]
+    return rows

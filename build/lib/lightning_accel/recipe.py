@@ -1,0 +1,120 @@
+"""Recipes: the Trainer and LightningCLI that read them (``precision: auto-mixed``, ``--ckpt_path auto``).
+
+Everything that builds a run from a recipe imports this module: the ``lightning-accel`` commands (``cli.py``),
+``tune``'s trials and the launchers' workers (``launch/``). It never imports those.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_accel._compat import RICH_AVAILABLE, PrecisionInput, StepsProgressBar
+from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint, verify
+from lightning_accel.precision import auto_precision
+from lightning_accel.strategies import check_strategy_name, init_restart_safe_process_group
+from lightning_accel.strategies.elastic import nodes_in_this_round
+
+log = logging.getLogger(__name__)
+
+
+class AccelTrainer(Trainer):
+    """``Trainer`` that also accepts ``precision="auto-mixed"`` (resolved by :func:`auto_precision`).
+
+    Everything else is passed to :class:`lightning.pytorch.Trainer` unchanged.
+    """
+
+    def __init__(
+        self, *args: Any, precision: PrecisionInput | Literal["auto-mixed"] | None = None, **kwargs: Any
+    ) -> None:
+        if precision is not None:  # "auto-mixed" is resolved; an explicit choice is checked against the hardware
+            precision = auto_precision(precision, accelerator=str(kwargs.get("accelerator", "auto")))
+        if isinstance(kwargs.get("strategy"), str):
+            check_strategy_name(kwargs["strategy"])
+        nodes = nodes_in_this_round()
+        if nodes is not None and kwargs.get("num_nodes", 1) != nodes:
+            # An elastic torchrun job (--nnodes MIN:MAX) has as many nodes as its current round: the recipe cannot
+            # name them, and Lightning refuses a num_nodes x devices that is not the world size.
+            log.info(
+                "num_nodes=%s in the recipe; torchrun's rendezvous round has %d node(s): using %d",
+                kwargs.get("num_nodes", 1),
+                nodes,
+                nodes,
+            )
+            kwargs["num_nodes"] = nodes
+        callbacks = kwargs.get("callbacks") or []
+        callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        wants_bar = kwargs.get("enable_progress_bar", True) is not False
+        if wants_bar and RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepsProgressBar()]  # Lightning's default bar, without "Epoch 0/-2"
+        super().__init__(*args, precision=precision, **kwargs)
+
+
+class AccelCLI(LightningCLI):
+    """LightningCLI whose ``fit --ckpt_path auto`` resumes from the newest valid checkpoint, and which verifies an
+    explicit ``--ckpt_path`` before anything unpickles it."""
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI reads a ckpt_path's hyperparameters (torch.load) right after parsing: a corrupt file would
+        # fail deep inside torch, with advice to unpickle it with weights_only=False. Ours checks it first.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and ckpt_path != "auto" and Path(ckpt_path).is_file() and not (verdict := verify(ckpt_path)):
+            parser.error(
+                f"--ckpt_path {ckpt_path} is not a usable checkpoint: {verdict.reason}. Use an earlier checkpoint, or "
+                "--ckpt_path auto to resume from the newest valid one in the PreemptionCheckpoint folder"
+            )
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except ValueError as err:  # a bad precision/strategy value: report it like any other config error
+            self.parser.error(f"invalid trainer configuration: {err}")
+
+    def before_fit(self) -> None:
+        if isinstance(self.trainer.strategy, ParallelStrategy):
+            # stock strategies too: a group that survives torchrun restarts
+            init_restart_safe_process_group(self.trainer.strategy)
+        cfg = self.config[self.subcommand]
+        if cfg.get("ckpt_path") != "auto":
+            return
+        cb = next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
+        if cb is None:
+            self.parser.error("--ckpt_path auto needs a PreemptionCheckpoint callback (it names the folder to search)")
+        # LightningCLI has replaced `true` by the seed it set; false (or none) means nothing was seeded
+        seed = self.config[self.subcommand].get("seed_everything")
+        if seed is None or seed is False:
+            rank_zero_warn(
+                f"--ckpt_path auto with seed_everything={seed}: nothing is seeded, so every attempt starts from other "
+                "random states (NumPy's and Python's come from the OS): a fresh start is not reproducible and a "
+                "resumed run is not the run it continues. Set an integer seed: `seed_everything: 0` in the recipe, or "
+                "--seed_everything 0."
+            )
+        found = find_resume_checkpoint(cb.dirpath)
+        log.info("ckpt_path=auto: %s", f"resuming from {found}" if found else "no valid checkpoint, starting fresh")
+        cfg["ckpt_path"] = found
+        self.config_init[self.subcommand]["ckpt_path"] = found
+
+
+def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[AccelCLI] | None = None) -> AccelCLI:
+    """Parse ``args`` (default: ``sys.argv``), build the objects and run the subcommand (``run=False``: only build;
+    ``args`` then has no subcommand). ``cli_class``: a subclass of :class:`AccelCLI` (Ray's workers use one)."""
+    return (cli_class or AccelCLI)(
+        LightningModule,
+        LightningDataModule,
+        trainer_class=AccelTrainer,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+        auto_configure_optimizers=False,
+    )

@@ -1,0 +1,274 @@
+"""Moving files between local disk and an object store, each confirmed before anything counts on it.
+
+An upload is confirmed when the store reports the object with the local file's size and, where the store exposes
+one, the same checksum: S3's ETag (the MD5 of a single-part object, or the MD5 of the parts' MD5s for a multipart
+one), GCS's ``md5Hash``, Azure's ``content_md5``. Failures are retried with exponential backoff; an outage is
+logged once when it starts and once when it ends (:class:`OutageLog`), never once per retry.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import inspect
+import logging
+import random
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fsspec import AbstractFileSystem
+
+from lightning_accel.storage.urls import redact
+
+__all__ = [
+    "Backoff",
+    "OutageLog",
+    "StoreError",
+    "abort_stale_uploads",
+    "confirm_upload",
+    "download",
+    "download_tree",
+    "retrying",
+    "upload",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# s3fs uploads in parts of this size (its own default, passed explicitly so the multipart ETag can be recomputed)
+PART_BYTES = 50 * 2**20
+
+
+# Errors of the calling code, not of the store: raised at once, never retried as an outage.
+_BUGS = (TypeError, AttributeError, NameError, AssertionError, ImportError)
+
+
+class StoreError(OSError):
+    """An object store did not take or give a file, or reported it with another size or checksum."""
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with jitter: ``first_s``, doubled after each failure up to ``cap_s``."""
+
+    first_s: float = 0.5
+    cap_s: float = 30.0
+    _next: float = field(default=0.0, init=False)
+
+    def reset(self) -> None:
+        self._next = 0.0
+
+    def delay(self) -> float:
+        """The wait before the next try (and the one after it is doubled)."""
+        self._next = self.first_s if self._next == 0 else min(self._next * 2, self.cap_s)
+        return self._next * random.uniform(0.8, 1.0)
+
+
+class OutageLog:
+    """One warning when a store stops answering, one line when it answers again: no storm of retries in the log."""
+
+    def __init__(self, store: str) -> None:
+        self.store = redact(store)
+        self.since: float | None = None
+        self.failures = 0
+
+    def failed(self, err: BaseException, doing: str) -> None:
+        self.failures += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            log.warning(
+                "object store %s did not answer while %s (%s: %s); retrying with backoff, training goes on and "
+                "nothing counts as saved until it is confirmed in the store",
+                self.store,
+                doing,
+                type(err).__name__,
+                _first_line(err),
+            )
+
+    def recovered(self) -> None:
+        if self.since is not None:
+            log.warning(
+                "object store %s answers again after %.1f s (%d failed tries)",
+                self.store,
+                time.monotonic() - self.since,
+                self.failures,
+            )
+        self.since, self.failures = None, 0
+
+
+def _first_line(err: BaseException) -> str:
+    return redact(str(err).strip().splitlines()[0] if str(err).strip() else "")
+
+
+def retrying(
+    action: Callable[[], T],
+    outage: OutageLog,
+    doing: str,
+    deadline: float | None = None,
+    backoff: Backoff | None = None,
+    give_up: Callable[[], bool] = lambda: False,
+    final: tuple[type[BaseException], ...] = (),
+) -> T:
+    """``action()`` until it succeeds, with backoff; raise :class:`StoreError` past ``deadline`` (monotonic clock),
+    once ``give_up()`` says so (a newer checkpoint superseded this one, the fit ended), or at once for an error in
+    ``final`` (a bucket that does not exist is not an outage)."""
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            result = action()
+        except Exception as err:
+            # each backend raises its own kinds (botocore's EndpointConnectionError is no OSError): every error of
+            # the store's call is retried, a bug of ours is not
+            if isinstance(err, _BUGS):
+                raise
+            outage.failed(err, doing)
+            wait = backoff.delay()
+            if isinstance(err, final) or give_up() or (deadline is not None and time.monotonic() + wait > deadline):
+                raise StoreError(f"{doing} on {outage.store} failed: {type(err).__name__}: {_first_line(err)}") from err
+            time.sleep(wait)
+            continue
+        outage.recovered()
+        return result
+
+
+def _md5_of(path: Path, multipart: bool) -> str:
+    """The MD5 the store reports for ``path``: of the whole file, or (``multipart``) S3's multipart ETag for it
+    uploaded in ``PART_BYTES`` parts (the MD5 of the parts' MD5s, then ``-<parts>``). One read either way."""
+    whole, parts = hashlib.md5(usedforsecurity=False), []
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(PART_BYTES), b""):
+            if multipart:
+                parts.append(hashlib.md5(chunk, usedforsecurity=False).digest())
+            else:
+                whole.update(chunk)
+    if not multipart:
+        return whole.hexdigest()
+    return hashlib.md5(b"".join(parts), usedforsecurity=False).hexdigest() + f"-{len(parts)}"
+
+
+def _remote_checksum(info: dict[str, Any]) -> tuple[str, str] | None:
+    """(kind, value) of a checksum the store reports for an object, or ``None`` when it reports none we can check."""
+    content_md5 = (info.get("content_settings") or {}).get("content_md5")  # Azure (its ETag is no MD5)
+    if content_md5:
+        return "md5", bytes(content_md5).hex()
+    md5 = info.get("md5Hash")  # GCS: base64 of the MD5 (absent for composite objects)
+    if isinstance(md5, str):
+        return "md5", base64.b64decode(md5).hex()
+    etag = info.get("ETag") or info.get("etag")  # S3
+    if isinstance(etag, str) and etag.strip('"'):
+        return "etag", etag.strip('"')
+    return None
+
+
+def _crc32_of(path: Path) -> str:
+    """The CRC32 of ``path`` as S3 reports it (base64 of the big-endian 4 bytes)."""
+    crc = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            crc = zlib.crc32(chunk, crc)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _s3_info(fs: AbstractFileSystem, remote: str) -> dict[str, Any]:
+    """S3's HEAD of ``remote`` with its stored checksum: botocore sends a CRC32 with every upload by default and
+    the store verifies it on receipt, so comparing it with the file's costs a CRC32 pass, not an MD5 one."""
+    bucket, _, key = remote.partition("/")
+    head = fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    return {"size": head.get("ContentLength"), "ETag": head.get("ETag"), "crc32": head.get("ChecksumCRC32")}
+
+
+def confirm_upload(fs: AbstractFileSystem, remote: str, local: Path) -> None:
+    """Raise :class:`StoreError` unless ``remote`` is in the store with ``local``'s size (and checksum, where the
+    store reports one: S3's CRC32 or MD5 ETag, GCS's MD5, Azure's Content-MD5)."""
+    fs.invalidate_cache(remote)
+    info = _s3_info(fs, remote) if hasattr(fs, "call_s3") else fs.info(remote)
+    crc32 = info.get("crc32")
+    if isinstance(crc32, str) and "-" not in crc32 and info.get("size") == local.stat().st_size:
+        if crc32 != _crc32_of(local):  # (a multipart object's CRC is composite: its ETag is compared instead)
+            raise StoreError(f"{redact(remote)}: the store's CRC32 {crc32} is not the staged file's: not confirmed")
+        return
+    size = local.stat().st_size
+    if info.get("size") != size:
+        raise StoreError(f"{redact(remote)} holds {info.get('size')} bytes, the staged file {size}: not confirmed")
+    checksum = _remote_checksum(info)
+    if checksum is None:
+        return
+    kind, value = checksum
+    if kind == "etag" and "-" not in value and len(value) != 32:
+        return  # not an MD5 ETag (a server-side encrypted object): the size was confirmed
+    if value != _md5_of(local, multipart=kind == "etag" and "-" in value):
+        raise StoreError(f"{redact(remote)}: the store's checksum {value} is not the staged file's: not confirmed")
+
+
+def _put_kwargs(fs: AbstractFileSystem) -> dict[str, Any]:
+    # s3fs's put_file takes the part size; passing its own default keeps the multipart ETag computable here.
+    params = inspect.signature(fs._put_file if hasattr(fs, "_put_file") else fs.put_file).parameters
+    return {"chunksize": PART_BYTES} if "chunksize" in params else {}
+
+
+def upload(fs: AbstractFileSystem, local: Path, remote: str) -> None:
+    """Put ``local`` at ``remote`` and confirm it (one try; callers retry through :func:`retrying`).
+
+    s3fs aborts its multipart upload when a part fails, so a failed try leaves no parts behind; parts left by a
+    process that was killed mid-upload are aborted by :func:`abort_stale_uploads` at the next start. An S3 object of
+    one part goes up in one ``PutObject`` with its CRC32, which the store verifies on receipt and returns: that
+    answer confirms it, without a second request.
+    """
+    if hasattr(fs, "call_s3") and local.stat().st_size <= PART_BYTES:
+        body = local.read_bytes()
+        crc32 = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+        bucket, _, key = remote.partition("/")
+        answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, ChecksumCRC32=crc32)
+        fs.invalidate_cache(remote)
+        if answer.get("ChecksumCRC32") != crc32:  # a store that ignores checksums: asked again, by size and ETag
+            confirm_upload(fs, remote, local)
+        return
+    fs.put_file(str(local), remote, **_put_kwargs(fs))
+    confirm_upload(fs, remote, local)
+
+
+def download(fs: AbstractFileSystem, remote: str, local: Path, size: int | None = None) -> None:
+    """Get ``remote`` into ``local`` (through a temporary name: a cut-off download never sits under the real one)."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.with_name(f".{local.name}.download")
+    try:
+        fs.get_file(remote, str(tmp))
+        if size is not None and tmp.stat().st_size != size:
+            raise StoreError(f"{redact(remote)}: downloaded {tmp.stat().st_size} bytes, the manifest says {size}")
+        tmp.replace(local)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def download_tree(fs: AbstractFileSystem, root: str, local: Path, keep: Callable[[str], bool]) -> list[Path]:
+    """Get every object under ``root`` whose path relative to it passes ``keep`` into ``local`` (same layout);
+    returns the local paths. A name that would leave ``local`` (``..``, absolute) is never written."""
+    fs.invalidate_cache(root)
+    got = []
+    for key in fs.find(root):
+        rel = key[len(root) :].strip("/")
+        if not rel or not keep(rel) or ".." in Path(rel).parts:
+            continue
+        download(fs, key, local / rel)
+        got.append(local / rel)
+    return got
+
+
+def abort_stale_uploads(fs: AbstractFileSystem, prefix: str) -> int:
+    """Abort the multipart uploads under ``prefix`` that a killed process left (S3 only: other stores keep no parts
+    outside an object). Returns how many were aborted. Call before this run starts uploading there."""
+    if not hasattr(fs, "call_s3"):
+        return 0
+    bucket, _, key = prefix.partition("/")
+    listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+    aborted = 0
+    for upload_ in listing.get("Uploads", []):
+        fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload_["Key"], UploadId=upload_["UploadId"])
+        aborted += 1
+    if aborted:
+        log.info("aborted %d unfinished multipart upload(s) under %s left by a killed process", aborted, redact(prefix))
+    return aborted
