@@ -7,7 +7,7 @@ from typing import Any
 
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the non-interactive Agg backend (no display on a training node)."""
-    import matplotlib  # lazy: matplotlib is an optional extra ([bench], [profile]) and slow to import
+    import matplotlib  # lazy: slow to import, and only a run's end draws
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

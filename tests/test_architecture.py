@@ -32,7 +32,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 
 # Imports inside a function, by the top-level module imported: each one's reason. Anything else imports at the top.
 LAZY_IMPORTS = {
-    "matplotlib": "the [bench]/[profile] extra, and slow to import: only when a figure is drawn",
+    "matplotlib": "slow to import (about 1 s): only when a figure is drawn",
     "deepspeed": "heavy, and it picks its accelerator at import: imported when a ZeRO checkpoint is converted",
     "ray": "the [ray] extra (Ray Train), imported when a Ray run starts",
     "hta": "HolisticTraceAnalysis, the [profile] extra, read only for GPU traces",

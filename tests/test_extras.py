@@ -16,7 +16,17 @@ from lightning_accel.extras import EXTRAS, available, require
 from lightning_accel.storage import MissingStorageBackend, UnsupportedStorageError
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("deepspeed", "nvidia-dali", "torchao", "ray", "holistictraceanalysis", "s3fs", "gcsfs", "adlfs")
+HEAVY = (
+    "deepspeed",
+    "nvidia-dali",
+    "torchao",
+    "ray",
+    "holistictraceanalysis",
+    "s3fs",
+    "gcsfs",
+    "adlfs",
+    "pytorch-extra",
+)
 
 
 def test_the_core_install_names_no_heavy_package_and_every_extra_is_in_all():
