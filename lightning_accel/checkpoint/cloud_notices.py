@@ -76,8 +76,7 @@ class PreemptionNotices(Callback):
         if cloud is None:
             log.info("PreemptionNotices: this machine's DMI data names no cloud we know; no notices are polled")
             return
-        if checkpoint.grace_period_s > LEAD_S[cloud]:  # the first save longer than the notice then warns
-            checkpoint.save_timer.grace_period_s = LEAD_S[cloud]
+        checkpoint.limit_grace(LEAD_S[cloud])  # the first save longer than the notice's lead then warns
         if trainer.local_rank != 0:
             return
         source = SOURCES[cloud](self.metadata_url or METADATA_URLS[cloud])
@@ -94,7 +93,7 @@ class PreemptionNotices(Callback):
                 notice.detail,
                 max(saves),
             )
-        self._checkpoint.stop_signals.request(notice.detail)
+        self._checkpoint.request_stop(notice.detail)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop_watching()

@@ -155,6 +155,14 @@ class PreemptionCheckpoint(Callback):
         """Each save, start to durable: the stall, plus the write when async."""
         return self.save_timer.seconds
 
+    def request_stop(self, reason: str) -> None:
+        """Stop as at a signal (from any thread): save at the next safe point, exit 75; ``reason`` names it in logs."""
+        self.stop_signals.request(reason)
+
+    def limit_grace(self, seconds: float) -> None:
+        """Saves must be durable within ``seconds`` (a notice's lead, say): the first save over it warns."""
+        self.save_timer.grace_period_s = min(self.save_timer.grace_period_s, seconds)
+
     # -- lifecycle ----------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":

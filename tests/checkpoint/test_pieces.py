@@ -156,3 +156,16 @@ def test_an_async_save_is_timed_when_its_write_is_durable():
     timer.record_finished_write()
     timer.record_finished_write()  # recorded once
     assert timer.seconds == [3.5]
+
+
+# -- what other callbacks may ask of PreemptionCheckpoint -----------------------------------------------------------
+def test_other_callbacks_stop_the_run_and_shorten_the_grace_through_two_public_methods(tmp_path):
+    """PreemptionNotices (a cloud's notice) uses these, not the checkpoint's internals."""
+    from lightning_accel import PreemptionCheckpoint
+
+    checkpoint = PreemptionCheckpoint(tmp_path, grace_period_s=30)
+    checkpoint.limit_grace(10)  # a notice gives 10 s
+    checkpoint.limit_grace(20)  # a longer lead never lengthens what was promised
+    assert checkpoint.grace_period_s == 10
+    checkpoint.request_stop("GCP preemption notice")
+    assert checkpoint.stop_signals.received == 0 and checkpoint.stop_signals.name() == "GCP preemption notice"
