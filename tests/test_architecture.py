@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
 # Floors, lowest first: a room imports only from rooms on lower floors (and from within itself).
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("_compat", "extras"),  # every Lightning private name we use; which pip extra each optional feature needs
-    ("phases", "host", "figures", "ranks", "storage"),  # phase table, host facts, figures, per-rank values, storage
+    ("phases", "host", "figures", "ranks", "storage", "contracts"),  # shared facts, storage, protocols
     ("precision", "compile", "float8", "data", "strategies", "checkpoint", "models", "testing"),  # training is made of
     ("monitor",),  # observes training: may recognise a checkpoint writer, never changes training
     ("profile",),  # reads what monitor/ recorded

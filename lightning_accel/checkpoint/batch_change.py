@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_accel._compat import set_train_batches_done, train_batches_in_checkpoint
 from lightning_accel.checkpoint.loader_state import flat_loaders, train_batch_size
 from lightning_accel.checkpoint.world_change import CONFIGURED_KEY, saved_world
+from lightning_accel.contracts import follows_world_size, is_stateful
 
 __all__ = ["BatchChange", "SavedRun", "follow_batch_change", "plan_batch_change"]
 
@@ -136,7 +137,7 @@ def follow_batch_change(
         return None
     saved, saved_batch, saved_batches_done = saved_run.world, saved_run.batch, saved_run.batches_done
     for loader in flat_loaders(trainer.train_dataloader):
-        if hasattr(loader, "state_dict") and not getattr(loader, "follows_world_size", False):
+        if is_stateful(loader) and not follows_world_size(loader):
             raise ValueError(
                 f"PreemptionCheckpoint: the per-device batch changed from {saved_batch} to {batch}, but the train "
                 f"loader ({type(loader).__name__}) saved its position in its own batches, which do not map onto "

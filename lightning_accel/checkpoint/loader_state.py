@@ -12,9 +12,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-
-def is_stateful(loader: Any) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+from lightning_accel.contracts import follows_world_size, is_stateful
 
 
 def has_wrapped_stateful_sampler(loader: Any) -> bool:
@@ -97,7 +95,7 @@ def refuse_loaders_that_cannot_follow(loaders: Any, change: Any) -> None:
     from the saved point of a global order (``follows_world_size``, as ``ResumableDataLoader`` does). A map-style
     loader that saved a per-rank position is refused; a stream, whose shards are its own, is warned about."""
     for loader in flat_loaders(loaders):
-        if loader is None or getattr(loader, "follows_world_size", False):
+        if loader is None or follows_world_size(loader):
             continue
         if isinstance(getattr(loader, "dataset", None), IterableDataset):
             rank_zero_warn(

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel._compat import rescale_train_batches, train_batches_in_checkpoint
 from lightning_accel.checkpoint.loader_state import train_batch_size
+from lightning_accel.contracts import follows_world_size
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def plan_world_change(saved: dict[str, Any] | None, trainer: Trainer) -> WorldCh
 
 def apply_world_change(change: WorldChange, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Set the new accumulation and re-count the fit loop's batches in ``checkpoint`` (before Lightning reads it)."""
-    if isinstance(trainer.strategy, DeepSpeedStrategy) and not getattr(trainer.strategy, "follows_world_size", False):
+    if isinstance(trainer.strategy, DeepSpeedStrategy) and not follows_world_size(trainer.strategy):
         raise ValueError(
             f"PreemptionCheckpoint: resuming a DeepSpeed checkpoint on another number of ranks ({change}) needs "
             "DeepSpeed's universal checkpoint, which Lightning's DeepSpeedStrategy does not load. Train with our "

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
+from lightning_accel.contracts import is_stateful
+
 _MASK = (1 << 64) - 1
 
 
@@ -92,7 +94,7 @@ def _epoch_tagged(cls: type) -> type:
         cls.load_state_dict(self, state)
 
     methods: dict[str, Any] = {"__slots__": (), "__iter__": __iter__, "epoch_tagged": True}
-    if callable(getattr(cls, "state_dict", None)) and callable(getattr(cls, "load_state_dict", None)):
+    if is_stateful(cls):
         methods.update(state_dict=state_dict, load_state_dict=load_state_dict)
     return type(f"EpochTagged{cls.__name__}", (cls,), methods)
 

@@ -23,11 +23,8 @@ from lightning.fabric.utilities.data import has_len
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_accel.contracts import is_stateful
 from lightning_accel.ranks import current_rank, for_rank, gather_from_ranks
-
-
-def is_resumable_stream(dataset: Any) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
 
 
 class _EndAwareStream(IterableDataset):
@@ -79,7 +76,7 @@ class ResumableStreamLoader(StatefulDataLoader):
                 f"ResumableStreamLoader takes an IterableDataset, got {type(dataset).__name__}; for a map-style "
                 "dataset use lightning_accel.ResumableDataLoader"
             )
-        if not is_resumable_stream(dataset):
+        if not is_stateful(dataset):
             raise TypeError(
                 f"{type(dataset).__name__} has no state_dict()/load_state_dict(), so its position cannot be saved: "
                 "add both (state_dict returns where the stream is, load_state_dict makes the next __iter__ "
