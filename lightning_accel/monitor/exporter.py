@@ -9,9 +9,12 @@ a fleet dashboard tells runs apart and picks one run's hosts, and the next run o
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
+import threading
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -35,12 +38,20 @@ class PrometheusExporter:
     ``UtilizationMonitor(prometheus=exporter)``) to publish all of them on one endpoint. The server starts at
     the first publish and stops at :meth:`close`; monitors given a port number instead create and close their
     own. Binds to loopback by default, so nothing is exposed unintentionally.
+
+    ``linger_s``: after the fit, keep serving the final values this many seconds (the process waits for it before
+    exiting), so that a scrape every 10-15 s still reads how a short run ended. 0 (the default) stops at once.
     """
 
-    def __init__(self, port: int = 9400, addr: str = "127.0.0.1", run: str | None = None) -> None:
+    def __init__(
+        self, port: int = 9400, addr: str = "127.0.0.1", run: str | None = None, linger_s: float = 0.0
+    ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
-        self.port, self.addr = port, addr
+        if not 0 <= linger_s < float("inf"):
+            raise ValueError(f"linger_s must be a number of seconds >= 0, got {linger_s}")
+        self.port, self.addr, self.linger_s = port, addr, linger_s
+        self._lingering: threading.Timer | None = None
         self.given_run = run  # the `run` label the user chose; else each fit's run id (follow_run)
         self.run = run or ""
         self.host = socket.gethostname()
@@ -52,6 +63,10 @@ class PrometheusExporter:
     def start(self, local_rank: int = 0) -> None:
         if self._server is not None:
             return
+        if self._lingering is not None:  # a new fit in this process: the last one's endpoint makes way
+            self._lingering.cancel()
+            self._lingering.function(*self._lingering.args)
+            self._lingering = None
         self._registry = CollectorRegistry()
         port = self.port + local_rank if self.port else 0
         try:
@@ -62,6 +77,8 @@ class PrometheusExporter:
                 "(prometheus=<port>) or stop the program using it"
             ) from err
         self.bound_port = self._server.server_address[1]
+        if self.linger_s > 0:  # an exporter nobody closes (made by a recipe) lingers at the process's exit
+            atexit.register(self._linger_at_exit)
         log.info("Prometheus metrics on http://%s:%d/metrics", self.addr, self.bound_port)
 
     def follow_run(self, run: str) -> None:
@@ -86,11 +103,32 @@ class PrometheusExporter:
         return set(self._gauges)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server, self.bound_port = None, None
+        """Stop serving: now, or after ``linger_s`` seconds (a non-daemon timer: the process lives until then)."""
+        atexit.unregister(self._linger_at_exit)
+        if self._server is not None and self.linger_s > 0:
+            log.info(
+                "Prometheus: serving the final values %g s more on port %s (linger_s)", self.linger_s, self.bound_port
+            )
+            self._lingering = threading.Timer(self.linger_s, _stop_server, args=(self._server,))
+            self._lingering.start()
+        elif self._server is not None:
+            _stop_server(self._server)
+        self._server, self.bound_port = None, None
         self._gauges.clear()
+
+    def _linger_at_exit(self) -> None:
+        if self._server is not None:
+            log.info(
+                "Prometheus: serving the final values %g s more on port %s (linger_s)", self.linger_s, self.bound_port
+            )
+            time.sleep(self.linger_s)
+            _stop_server(self._server)
+            self._server = None
+
+
+def _stop_server(server: Any) -> None:
+    server.shutdown()
+    server.server_close()
 
 
 def run_label(trainer: Any) -> str:

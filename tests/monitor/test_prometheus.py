@@ -7,6 +7,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -146,3 +147,56 @@ def test_metrics_read_back_from_a_real_prometheus_equal_the_callbacks(tmp_path):
         server.wait(timeout=30)
         idle_monitor.close()
         exporter.close()
+
+
+def test_the_exporter_serves_the_final_values_for_linger_s_after_the_fit_then_stops():
+    """A short run ends between two scrapes: with linger_s the endpoint answers with the final values a while
+    longer (a non-daemon timer, so a script's process waits for it), then closes; a new fit stops it first."""
+
+    def scrape(port: int) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="linger_s must be a number of seconds >= 0"):
+            la.PrometheusExporter(port=0, linger_s=bad)
+    exporter = la.PrometheusExporter(port=0, linger_s=1.0)
+    exporter.publish({"goodput/compute_share": 0.75})
+    port = exporter.bound_port
+    exporter.close()  # the fit is over
+    assert "lightning_accel_goodput_compute_share" in scrape(port)  # still served
+    time.sleep(1.5)
+    with pytest.raises(OSError):
+        scrape(port)
+    at_once = la.PrometheusExporter(port=0)
+    at_once.publish({"x": 1.0})
+    port = at_once.bound_port
+    at_once.close()
+    with pytest.raises(OSError):
+        scrape(port)
+    # a second fit in the same process while the first one's endpoint lingers: it makes way at once
+    again = la.PrometheusExporter(port=0, linger_s=30.0)
+    again.publish({"x": 1.0})
+    again.close()
+    again.publish({"x": 2.0})
+    assert 'x{host="' in scrape(again.bound_port).replace("lightning_accel_", "") and again._lingering is None
+    again.linger_s = 0.0
+    again.close()
+
+
+@pytest.mark.multiprocess
+def test_an_exporter_nobody_closes_lingers_at_the_processs_exit(tmp_path):
+    """What a recipe makes (recipes/mlp_cpu_prometheus.yaml): nobody calls close(), so the process's exit waits
+    linger_s with the endpoint up, then ends."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "from lightning_accel import PrometheusExporter\n"
+        "exporter = PrometheusExporter(port=0, linger_s=3.0)\n"
+        "exporter.publish({'goodput/compute_share': 0.5})\n"
+        "print(exporter.bound_port, flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    assert "lightning_accel_goodput_compute_share" in body and proc.poll() is None  # the script is done, still serving
+    assert proc.wait(timeout=30) == 0
