@@ -29,8 +29,8 @@ prometheus-server:
 		$(SUDO) apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }; }
 
-# Two workers, whole files each (a file's shared reference runs are computed once), the longest files first
-# (tests/conftest.py LONGEST_FIRST; xdist's own reorder, by number of tests, is turned off so that order holds).
+# Two workers, whole files each (a file's shared reference runs are computed once), longest first in the order of
+# tests/conftest.py's LONGEST_FIRST (xdist's own reorder, by number of tests, is turned off so that order holds).
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

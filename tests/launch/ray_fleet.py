@@ -25,7 +25,7 @@ from tests.launch.elastic_fleet import step_reached, world_sizes
 # 8 s instead of 60, so the test does not wait on Ray's defaults for clusters of real machines.
 os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "8"
 SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
-TIMEOUT = 300
+TIMEOUT = 480  # per wait: a loaded 2-core machine has taken 6 min from the cluster's start to the first step
 # Ray Train's elastic policy reads the cluster's resources through Ray's AutoscalingCoordinator actor, which refreshes
 # its view every 20 s (its TICK_INTERVAL_S, no setting). After the node is removed, a stale view has the controller
 # try a group of 2 that cannot start, again and again, for up to 20 s; a node added is seen up to 20 s late. The

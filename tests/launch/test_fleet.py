@@ -160,7 +160,7 @@ def test_ray_trains_on_when_a_node_vanishes_and_grows_back_when_one_joins(tmp_pa
     (tmp_path / "recipe.yaml").write_text(recipe)
     script = [sys.executable, str(ROOT / "tests/launch/ray_fleet.py"), str(tmp_path), "5", "6"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    result = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     log = (tmp_path / "fit.log").read_text() if (tmp_path / "fit.log").exists() else ""
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:] + log[-4000:]
     assert effective_batches(tmp_path / "trained") == expected_batches(epochs)
