@@ -56,6 +56,30 @@ class AccelTrainer(Trainer):
             kwargs["callbacks"] = [*callbacks, StepsProgressBar()]  # Lightning's default bar, without "Epoch 0/-2"
         super().__init__(*args, precision=precision, **kwargs)
 
+    def fit(
+        self,
+        model: LightningModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: LightningDataModule | None = None,
+        ckpt_path: str | Path | None = None,
+        weights_only: bool | None = None,
+    ) -> None:
+        """Runs the full optimization routine (Lightning's ``Trainer.fit``, unchanged).
+
+        Args:
+            model: The LightningModule to train.
+            train_dataloaders: Train dataloaders, or a LightningDataModule.
+            val_dataloaders: Validation dataloaders.
+            datamodule: A LightningDataModule.
+            ckpt_path: The checkpoint to resume from: a path or URL; or ``auto`` (lightning-accel's CLI): the newest
+                valid checkpoint in the PreemptionCheckpoint folder (a bucket URL too), or a fresh start when there is
+                none, so the same command resumes after every restart. Lightning's ``last``, ``hpc`` and ``registry``
+                keep their meaning.
+            weights_only: Passed to ``torch.load`` when the checkpoint is read.
+        """
+        super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+
 
 class AccelCLI(LightningCLI):
     """LightningCLI whose ``fit --ckpt_path auto`` resumes from the newest valid checkpoint, and which verifies an

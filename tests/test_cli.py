@@ -240,3 +240,13 @@ def test_help_and_a_mistyped_command_show_every_command(capsys):
     assert exit_info.value.code == 2
     assert err.startswith("lightning-accel: unknown command 'fti'. Did you mean 'fit'?") and "doctor" in err
     assert "Traceback" not in err
+
+
+def test_fit_help_documents_ckpt_path_auto(capsys):
+    from lightning_accel.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # the help's line breaks fall anywhere
+    assert exit_info.value.code == 0
+    assert "``auto`` (lightning-accel's CLI): the newest valid checkpoint in the PreemptionCheckpoint folder" in out
