@@ -6,13 +6,16 @@ Everything that builds a run from a recipe imports this module: the ``lightning-
 
 from __future__ import annotations
 
+import difflib
 import logging
+import re
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -81,6 +84,42 @@ class AccelTrainer(Trainer):
         super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
 
 
+def one_line_error(message: str) -> str:
+    """A parser's error as one line naming the bad value, its choices and the closest one (jsonargparse writes a
+    union's every type on its own line; Lightning lists the names it knows)."""
+    key, given = re.match(r'Parser key "([^"]+)":', message), re.search(r"Given value: (.*)", message)
+    choices = [c for group in re.findall(r"Literal\[([^\]]*)\]", message) for c in re.findall(r"'([^']*)'", group)]
+    choices = list(dict.fromkeys(choices))  # a union repeats a Literal: each choice once
+    if key and given and choices:
+        value = given.group(1).strip()
+        return f"--{key.group(1)} {value!r} is not one of: {', '.join(choices)}.{_did_you_mean(value, choices)}"
+    if key and "File does not exist" in message:  # a recipe path: name the recipes beside it
+        missing = Path(message.split("File does not exist:", 1)[1].strip().strip("'\""))
+        near = sorted(p.name for p in missing.parent.glob("*.y*ml")) if missing.parent.is_dir() else []
+        return f"--{key.group(1)}: File does not exist: {missing}.{_did_you_mean(missing.name, near)}"
+    accelerator = re.search(r"accelerator='([^']*)'`. Available names are: ([\w, ]+)", message)
+    if accelerator:  # Lightning takes "gpu" too, although its list does not name it
+        names = [*accelerator.group(2).split(", "), "gpu"]
+        return message.strip().splitlines()[0] + _did_you_mean(accelerator.group(1), names)
+    return " ".join(line.strip() for line in message.strip().splitlines()[:2])
+
+
+def _did_you_mean(value: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+class AccelArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one line naming the bad value and the fix, not a 50-line usage."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # jsonargparse trying a value internally: it catches this
+            super().error(message, ex)
+        prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: error: {one_line_error(message)}\n({prog} --help lists every option)\n")
+        raise SystemExit(2)
+
+
 class AccelCLI(LightningCLI):
     """LightningCLI whose ``fit --ckpt_path auto`` resumes from the newest valid checkpoint, and which verifies an
     explicit ``--ckpt_path`` before anything unpickles it."""
@@ -135,6 +174,7 @@ def build_cli(args: list[str] | None = None, run: bool = True, cli_class: type[A
         LightningModule,
         LightningDataModule,
         trainer_class=AccelTrainer,
+        parser_class=AccelArgumentParser,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},

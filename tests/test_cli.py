@@ -108,14 +108,19 @@ def test_auto_precision_in_recipe_resolves_to_fp32_on_cpu(tmp_path):
             "unrecognized arguments: --trainer.bogus_flag",
         ),
         (["--config", "recipes/mlp_cpu.yaml", "--trainer.strategy", "accel_zero22"], "Did you mean 'accel_zero2'"),
-        (["--config", "recipes/mlp_cpu.yaml", "--trainer.precision", "fp7"], "precision"),
+        (["--config", "recipes/mlp_cpu.yaml", "--trainer.precision", "fp7"], "--trainer.precision 'fp7' is not one of"),
+        (["--config", "recipes/mlp_cpu.yaml", "--trainer.precision", "bf16-mix"], "Did you mean 'bf16-mixed'?"),
+        (["--config", "recipes/mlp_cpu.yaml", "--trainer.accelerator", "gpux"], "Did you mean 'gpu'?"),
+        (["--config", "recipes/mlp_cpu.yml"], "recipes/mlp_cpu.yml. Did you mean 'mlp_cpu.yaml'?"),
     ],
 )
 def test_bad_config_gives_clear_error(extra, message, cli_in_process):
+    """One line naming the value, the choices and the closest one: no usage dump, no traceback."""
     code, err = cli_in_process("fit", *extra)
     assert code not in (0, None)
     assert message in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "usage:" not in err
+    assert sum("error:" in line for line in err.splitlines()) == 1, err
 
 
 def test_a_bad_config_ends_the_command_with_a_clear_error_and_a_failing_status():
