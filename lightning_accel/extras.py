@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["EXTRAS", "MissingExtra", "available", "require"]
+__all__ = ["EXTRAS", "MissingExtra", "available", "pip_install", "require"]
 
 # Each extra (pyproject.toml's [project.optional-dependencies]) and the module it provides.
 EXTRAS: dict[str, str] = {
@@ -24,16 +24,19 @@ EXTRAS: dict[str, str] = {
 }
 
 
-class MissingExtra(ImportError):
-    """A feature needs a package the core install leaves out; the message names the pip extra that installs it."""
+def pip_install(extra: str) -> str:
+    """The command that installs ``extra``, as every message that names one says it."""
+    return f"pip install 'lightning-accel[{extra}]'"
 
-    def __init__(self, feature: str, extra: str, module: str | None = None) -> None:
+
+class MissingExtra(ImportError):
+    """A feature needs a package the core install leaves out; the message names the pip extra that installs it
+    (``message``: the caller's own wording of that, as a bucket URL's check has)."""
+
+    def __init__(self, feature: str, extra: str, module: str | None = None, message: str | None = None) -> None:
         self.feature, self.extra, self.module = feature, extra, module or EXTRAS[extra]
-        super().__init__(
-            f"{feature} needs {self.module}, which the core install leaves out: "
-            f"pip install 'lightning-accel[{extra}]' (or [all])",
-            name=self.module,
-        )
+        default = f"{feature} needs {self.module}, which the core install leaves out: {pip_install(extra)} (or [all])"
+        super().__init__(message or default, name=self.module)
 
 
 def available(module: str) -> bool:

@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from lightning_accel.extras import MissingExtra, available
+from lightning_accel.extras import MissingExtra, available, pip_install
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class Float8Training(Callback):
         if missing is None and not available("torchao"):
             if on_unsupported == "error":
                 raise MissingExtra("Float8Training", "fp8")
-            missing = "torchao is not installed (pip install 'lightning-accel[fp8]')"
+            missing = f"torchao is not installed ({pip_install('fp8')})"
         self.active = missing is None
         if missing is not None and on_unsupported == "error":
             raise ValueError(

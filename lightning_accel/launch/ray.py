@@ -29,10 +29,6 @@ from lightning_accel.recipe import AccelCLI, build_cli
 log = logging.getLogger(__name__)
 
 
-def _require_ray() -> None:
-    require("ray", "lightning-accel fit --ray.*")
-
-
 class RayReport(Callback):
     """Report the logged metrics and the goodput ledger's to Ray every ``every_n_steps``, and after each save of
     a ``PreemptionCheckpoint`` with a Ray checkpoint that points at it (``latest.json``: the path and step), so
@@ -135,7 +131,7 @@ def fit_on_ray(
     working directory, so relative paths (the recipe, its folders) mean what they mean here; on a cluster of
     several machines that directory must exist on each (shared storage).
     """
-    _require_ray()
+    require("ray", "lightning-accel fit --ray.*")
     if min(num_workers if isinstance(num_workers, tuple) else (num_workers,)) < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     import ray

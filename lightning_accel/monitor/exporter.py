@@ -51,7 +51,7 @@ class PrometheusExporter:
         if not 0 <= linger_s < float("inf"):
             raise ValueError(f"linger_s must be a number of seconds >= 0, got {linger_s}")
         self.port, self.addr, self.linger_s = port, addr, linger_s
-        self._lingering: threading.Timer | None = None
+        self._lingering: tuple[threading.Timer, Any] | None = None  # a closed fit's timer and server
         self.given_run = run  # the `run` label the user chose; else each fit's run id (follow_run)
         self.run = run or ""
         self.host = socket.gethostname()
@@ -64,8 +64,9 @@ class PrometheusExporter:
         if self._server is not None:
             return
         if self._lingering is not None:  # a new fit in this process: the last one's endpoint makes way
-            self._lingering.cancel()
-            self._lingering.function(*self._lingering.args)
+            timer, server = self._lingering
+            timer.cancel()
+            _stop_server(server)
             self._lingering = None
         self._registry = CollectorRegistry()
         port = self.port + local_rank if self.port else 0
@@ -109,8 +110,8 @@ class PrometheusExporter:
             log.info(
                 "Prometheus: serving the final values %g s more on port %s (linger_s)", self.linger_s, self.bound_port
             )
-            self._lingering = threading.Timer(self.linger_s, _stop_server, args=(self._server,))
-            self._lingering.start()
+            self._lingering = (threading.Timer(self.linger_s, _stop_server, args=(self._server,)), self._server)
+            self._lingering[0].start()
         elif self._server is not None:
             _stop_server(self._server)
         self._server, self.bound_port = None, None

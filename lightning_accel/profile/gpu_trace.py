@@ -10,6 +10,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.extras import pip_install
+
 log = logging.getLogger(__name__)
 
 
@@ -24,7 +26,8 @@ def hta_breakdown(trace_dir: str | Path) -> dict[str, Any] | None:
     except ImportError:
         log.warning(
             "HolisticTraceAnalysis is not installed: GPU idle time and kernel breakdown are left out of the "
-            "doctor's report (pip install 'lightning-accel[profile]')"
+            "doctor's report (%s)",
+            pip_install("profile"),
         )
         return None
     try:

@@ -17,7 +17,7 @@ import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.registry import known_implementations
 
-from lightning_accel.extras import MissingExtra
+from lightning_accel.extras import MissingExtra, pip_install
 
 __all__ = [
     "CLOUD_EXTRA",
@@ -31,7 +31,7 @@ __all__ = [
     "url_hash",
 ]
 
-CLOUD_EXTRA = "pip install 'lightning-accel[cloud]'"
+CLOUD_EXTRA = pip_install("cloud")
 # Schemes a local path may carry: they stay local paths.
 _LOCAL_SCHEMES = {"file", "local"}
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -47,11 +47,7 @@ class MissingStorageBackend(UnsupportedStorageError, MissingExtra):
     """An object store's backend (s3fs, gcsfs, adlfs) is not installed: the [cloud] extra installs it."""
 
     def __init__(self, message: str, package: str) -> None:
-        MissingExtra.__init__(self, "object storage", "cloud", package)
-        self.args = (message,)
-
-    def __str__(self) -> str:
-        return self.args[0]
+        MissingExtra.__init__(self, "object storage", "cloud", package, message)
 
 
 def scheme_of(path: str | os.PathLike[str]) -> str | None:
