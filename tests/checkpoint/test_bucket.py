@@ -355,3 +355,60 @@ def test_the_first_save_that_would_not_fit_the_grace_period_warns_with_the_bandw
         warnings.simplefilter("error")
         publisher._warn_if_slow(slow)  # once per fit
         BucketPublisher(f"s3://{bucket}/run", keep_last=2, grace_period_s=60)._warn_if_slow(slow)  # it fits
+
+
+def _find_in_a_rank(url: str, cache: str, ready, results) -> None:
+    """One rank of a node on an empty machine: every rank of the node asks at the same moment."""
+    os.environ["LIGHTNING_ACCEL_CACHE_DIR"] = cache
+    ready.wait(timeout=60)
+    results.put((cache, find_resume_checkpoint(url)))
+
+
+def test_ranks_of_a_node_download_and_verify_the_checkpoint_once_per_node(bucket, s3_server, tmp_path, monkeypatch):
+    """Four ranks of node A and two of node B (each node its own cache) look for the bucket's newest checkpoint at
+    the same moment, as the ranks of a resumed job do: each node downloads it once (one GET of the checkpoint per
+    node, the others wait on the node's lock and take its verdict), and every rank gets the node's verified copy."""
+    import multiprocessing
+
+    from lightning_accel.checkpoint import bucket_resume
+    from lightning_accel.checkpoint.atomic import atomic_save
+
+    url = f"s3://{bucket}/run"
+    staged = tmp_path / "staged"
+    for step in (4, 8):
+        path = staged / f"step={step:08d}.ckpt"
+        atomic_save({"global_step": step, "w": torch.full((64,), float(step))}, path, {"global_step": step})
+        fs = fsspec.filesystem("s3")
+        fs.put_file(str(path), f"{bucket}/run/{path.name}")
+        fs.put_file(str(path) + MANIFEST_SUFFIX, f"{bucket}/run/{path.name}{MANIFEST_SUFFIX}")  # manifest last
+    log = tmp_path / "downloads.log"
+    real = bucket_resume.download
+
+    def counted(fs, remote, local, size=None):
+        with open(log, "a") as f:  # O_APPEND: one whole line per write, whichever process writes it
+            f.write(f"{local.parents[2].name} {remote.rsplit('/', 1)[-1]}\n")
+        return real(fs, remote, local, size)
+
+    monkeypatch.setattr(bucket_resume, "download", counted)  # inherited by the forked ranks
+    context = multiprocessing.get_context("fork")
+    nodes = {"node-a": 4, "node-b": 2}
+    ready, results = context.Barrier(sum(nodes.values())), context.Queue()
+    ranks = [
+        context.Process(target=_find_in_a_rank, args=(url, str(tmp_path / node), ready, results))
+        for node, count in nodes.items()
+        for _ in range(count)
+    ]
+    for rank in ranks:
+        rank.start()
+    found = [results.get(timeout=120) for _ in ranks]
+    for rank in ranks:
+        rank.join(timeout=30)
+        assert rank.exitcode == 0
+    for node in nodes:
+        (copy,) = {path for cache, path in found if cache == str(tmp_path / node)}  # one copy a node
+        assert copy.startswith(str(tmp_path / node / "downloads")) and copy.endswith("step=00000008.ckpt")
+    got = sorted(log.read_text().splitlines())
+    newest = "step=00000008.ckpt"
+    assert got == sorted(f"{node} {name}" for node in nodes for name in (newest, newest + MANIFEST_SUFFIX)), got
+    for _, path in found:
+        assert torch.equal(torch.load(path, weights_only=True)["w"], torch.full((64,), 8.0))
