@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_accel._compat import saves_distributed_checkpoint
 from lightning_accel.checkpoint.atomic import AtomicCheckpointIO
 from lightning_accel.checkpoint.durable import PathLike
+from lightning_accel.checkpoint.sharded import writes_folders
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,7 @@ def install_atomic_io(strategy: Strategy, async_save: bool, fsync: bool = True) 
     """Give ``strategy`` our atomic checkpoint IO (async with ``async_save``; ``fsync=False`` for a staging folder)
     in place of Lightning's default one; a user's own IO plugin is respected, with a warning that its writes are not
     made atomic."""
-    sharded = isinstance(strategy, DeepSpeedStrategy) or saves_distributed_checkpoint(strategy)
-    if sharded and async_save:
+    if writes_folders(strategy) and async_save:
         log.warning(
             "%s writes sharded checkpoint folders itself, synchronously: async_save=True applies to single-file "
             "checkpoints only. Folders are sealed with a manifest once every rank has written",

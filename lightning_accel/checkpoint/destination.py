@@ -16,7 +16,9 @@ from typing import Any
 
 from lightning_accel.checkpoint.bucket import BucketPublisher
 from lightning_accel.checkpoint.durable import TMP_MARKER, PathLike
+from lightning_accel.checkpoint.sharded import ranks_share_folder, writes_folders
 from lightning_accel.storage import (
+    CACHE_ENV,
     OutageLog,
     StoreError,
     check_storage_url,
@@ -87,6 +89,25 @@ class Destination:
         if store_error is not None:
             self.close(cancel=True)
             raise StoreError(store_error)
+        if trainer.world_size > 1 and writes_folders(trainer.strategy):
+            if not ranks_share_folder(trainer.strategy, trainer.is_global_zero, self.local_dir):
+                self.close(cancel=True)
+                raise OSError(self._unshared_folder_error(trainer))
+
+    def _unshared_folder_error(self, trainer: Any) -> str:
+        strategy = type(trainer.strategy).__name__
+        common = (
+            f"PreemptionCheckpoint: {strategy} saves a folder of shards, every rank its own, but some ranks do not "
+            f"see the files rank 0 writes in {self.local_dir} (they run on another machine): rank 0 would "
+            f"{'upload' if self.url else 'seal'} checkpoints without their shards. "
+        )
+        if self.url is not None:
+            return common + (
+                f"A bucket's checkpoints are staged in a node-local folder ({CACHE_ENV}) and uploaded by rank 0; "
+                f"uploading every node's shards is not supported yet. Fix: set {CACHE_ENV} to a folder on a file "
+                "system every node mounts, or give dirpath such a folder"
+            )
+        return common + "Fix: give dirpath a folder on a file system every node mounts (NFS, Lustre, a shared volume)"
 
     def published(self, path: Path, step: int, write: Any, staged_s: float) -> None:
         """A checkpoint was written at ``path``: queue its upload (bucket, rank 0)."""

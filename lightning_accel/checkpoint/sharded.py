@@ -12,13 +12,53 @@ us): it is trusted only when it holds DCP's ``.metadata``, with a warning.
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.checkpoint.durable import CHECKSUM, MANIFEST_FORMAT, Verdict, file_digest, write_manifest
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+
+from lightning_accel._compat import saves_distributed_checkpoint
+from lightning_accel.checkpoint.durable import (
+    CHECKSUM,
+    MANIFEST_FORMAT,
+    TMP_MARKER,
+    Verdict,
+    file_digest,
+    write_manifest,
+)
+
+__all__ = ["folder_files", "ranks_share_folder", "seal_folder", "verify_folder", "writes_folders"]
 
 CHECKSUM_LIMIT = 64 * 2**20  # files up to this size are checksummed: metadata, not shards
 DCP_METADATA = ".metadata"
+
+
+def writes_folders(strategy: Strategy) -> bool:
+    """Whether ``strategy`` saves a folder of shards, every rank its own, instead of one file from rank 0."""
+    return isinstance(strategy, DeepSpeedStrategy) or saves_distributed_checkpoint(strategy)
+
+
+def ranks_share_folder(strategy: Strategy, is_global_zero: bool, folder: Path) -> bool:
+    """Whether every rank sees the files rank 0 writes in ``folder`` (one machine, or a file system the machines
+    share): rank 0 writes a marker, every rank looks for it. Every rank must call this (two collectives).
+
+    A folder of shards is sealed and uploaded by rank 0 alone, so it must see every rank's shards; a rank on another
+    machine writing into its own local disk would leave them out of the checkpoint.
+    """
+    token = strategy.broadcast(uuid.uuid4().hex if is_global_zero else None, src=0)
+    marker = folder / f".lightning_accel-shared{TMP_MARKER}{token}"
+    if is_global_zero:
+        marker.write_text(token)
+    strategy.barrier("lightning_accel-shared-folder")
+    try:
+        seen = marker.is_file() and marker.read_text() == token
+    except OSError:
+        seen = False
+    every_rank = strategy.reduce_boolean_decision(seen, all=True)
+    if is_global_zero:  # every rank has looked: the reduction above is a collective
+        marker.unlink(missing_ok=True)
+    return bool(every_rank)
 
 
 def folder_files(folder: Path) -> list[Path]:

@@ -169,3 +169,60 @@ def test_other_callbacks_stop_the_run_and_shorten_the_grace_through_two_public_m
     assert checkpoint.grace_period_s == 10
     checkpoint.request_stop("GCP preemption notice")
     assert checkpoint.stop_signals.received == 0 and checkpoint.stop_signals.name() == "GCP preemption notice"
+
+
+# -- sharded folders across machines --------------------------------------------------------------------------------
+def test_ranks_that_do_not_see_rank_zeros_folder_are_found_and_a_sharded_save_there_is_refused(tmp_path):
+    """Two ranks as threads (tests/helpers/thread_ranks.py). Sharing one folder, both see rank 0's marker; each
+    with its own folder (two machines' local disks), neither agrees. Destination.check_writable then refuses a
+    strategy that saves folders of shards, naming the folder and the fix, for a local folder and for a bucket,
+    and leaves no marker behind."""
+    from lightning_accel.checkpoint.destination import Destination
+    from lightning_accel.checkpoint.sharded import ranks_share_folder
+    from tests.helpers.thread_ranks import ThreadRanks
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    assert ThreadRanks(2).run(lambda strategy, rank: ranks_share_folder(strategy, rank == 0, shared)) == [True] * 2
+    machines = [tmp_path / "machine-0", tmp_path / "machine-1"]
+    for folder in machines:
+        folder.mkdir()
+    apart = ThreadRanks(2).run(lambda strategy, rank: ranks_share_folder(strategy, rank == 0, machines[rank]))
+    assert apart == [False, False]
+    assert [list(p.iterdir()) for p in [shared, *machines]] == [[], [], []]
+
+    class ShardedStrategy:  # what FSDP2 with save_distributed_checkpoint=True says of itself
+        _save_distributed_checkpoint = True
+
+    def check(dirpath: str, local_dir_of_rank, sharded: bool = True) -> list[str]:
+        """Destination.check_writable on both ranks, each writing into ``local_dir_of_rank(rank)``."""
+
+        def rank_main(strategy, rank):
+            if sharded:
+                strategy.__class__ = type("ShardedStrategy", (type(strategy), ShardedStrategy), {})
+            trainer = SimpleNamespace(strategy=strategy, is_global_zero=rank == 0, world_size=2)
+            destination = type("OnThisRank", (Destination,), {"local_dir": local_dir_of_rank(rank)})(dirpath)
+            try:
+                destination.check_writable(trainer, "run", keep_last=2, grace_period_s=30)
+            except OSError as err:
+                return str(err)
+            return "accepted"
+
+        return ThreadRanks(2).run(rank_main)
+
+    assert check(str(shared), lambda rank: shared) == ["accepted"] * 2
+    assert check("memory://bucket/run", lambda rank: shared) == ["accepted"] * 2  # a staging folder both see
+    # one file from rank 0 (DDP): only rank 0 writes, so machines apart are fine
+    assert check(str(machines[0]), lambda rank: machines[rank], sharded=False) == ["accepted"] * 2
+    local = check(str(machines[0]), lambda rank: machines[rank])
+    for rank, said in enumerate(local):  # (every machine names the folder by the same path; here they differ)
+        assert (
+            f"ShardedStrategy saves a folder of shards, every rank its own, but some ranks do not see the files rank 0 "
+            f"writes in {machines[rank]}" in said
+        )
+        assert "rank 0 would seal checkpoints without their shards" in said
+        assert "Fix: give dirpath a folder on a file system every node mounts" in said
+    for said in check("memory://bucket/run", lambda rank: machines[rank]):
+        assert "rank 0 would upload checkpoints without their shards" in said
+        assert "Fix: set LIGHTNING_ACCEL_CACHE_DIR to a folder on a file system every node mounts" in said
+    assert [list(p.iterdir()) for p in [shared, *machines]] == [[], [], []]
