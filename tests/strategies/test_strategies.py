@@ -263,21 +263,26 @@ def test_ddp_with_compile_callback_on_gloo(two_rank_runs):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_zero_configs_run_on_deepspeeds_cpu_engine_and_sgds_state_is_refused_a_universal_checkpoint():
+def test_zero_configs_run_on_deepspeeds_cpu_engine_and_their_folders_resume_from_a_bucket(bucket):
     """Lightning refuses DeepSpeed on CPU; DeepSpeed's own engine on its CPU accelerator does not. Its checkpoint of
-    SGD's state cannot become a universal checkpoint (Adam's moments only): said plainly, naming the fix."""
+    SGD's state cannot become a universal checkpoint (Adam's moments only): said plainly, naming the fix. Its ZeRO-2
+    and ZeRO-3 folders, sealed and uploaded as PreemptionCheckpoint does it, resume from the bucket (moto's S3
+    server) on an empty machine into a new engine, bitwise."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests/strategies/deepspeed_cpu_engine.py")],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=600,
-        env={**os.environ, "MASTER_PORT": "29541", "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "MASTER_PORT": "29541", "PYTHONPATH": str(ROOT), "BUCKET_URL": f"s3://{bucket}/ds"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [r["stage"] for r in runs] == [2, 3]
     for r in runs:
+        assert r["bucket"]["bitwise"] and r["bucket"]["found_under_cache"] and r["bucket"]["saved_ranks"] == 1, r
+        files = r["bucket"]["files"]  # DeepSpeed's own layout, every file of it in the bucket's manifest
+        assert "latest" in files and any(f.startswith("checkpoint/") and "optim_states" in f for f in files), files
         assert r["losses"][-1] < r["losses"][0]
         named, tried = r["universal"]
         assert "the optimizer is SGD. The universal checkpoint carries Adam-family state only" in named, named
