@@ -23,7 +23,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_accel.compile import TorchCompile
+from lightning_accel.float8 import Float8Training
 from lightning_accel.recipe import AccelTrainer, build_cli
+from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
 from lightning_accel.strategies.blocks import find_blocks
 from lightning_accel.tune.config import TuneConfig, parse_budget
 from lightning_accel.tune.report import plot, print_report, trial_line, wide_console, write_json, write_tuned_yaml
@@ -42,6 +44,17 @@ def _compile_of(trainer: Any) -> tuple[str, str | None]:
     if not found:
         return "off", None
     return ("module" if found[0].modules is None else "blocks"), found[0].compile_kwargs.get("mode")
+
+
+def _own_features(trainer: Any) -> dict[str, str]:
+    """The recipe's own activation checkpointing policy and fp8 recipe, as candidate fields (measured, not kept)."""
+    own = {}
+    for callback in trainer.callbacks:
+        if isinstance(callback, ActivationCheckpointing):
+            own["activation_checkpointing"] = callback.policy
+        elif isinstance(callback, Float8Training):
+            own["float8"] = callback.recipe
+    return own
 
 
 def _block_names(model: Any) -> list[str]:
@@ -126,7 +139,7 @@ def tune(
     accelerator = "gpu" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
     scope, mode = _compile_of(trainer)
     blocks = _block_names(model)
-    baseline = Candidate(precision=str(trainer.precision), compile=scope, compile_mode=mode)  # type: ignore[arg-type]
+    baseline = Candidate(precision=str(trainer.precision), compile=scope, compile_mode=mode, **_own_features(trainer))  # type: ignore[arg-type]
     search = Search(
         spec,
         knobs,
@@ -139,7 +152,8 @@ def tune(
     )
     with _Progress(show, options.budget_s, search) as on_trial:
         search.on_trial = on_trial
-        result = search.run(baseline, baseline_is_reference=baseline.precision == "32-true" and scope == "off")
+        reference = baseline.precision == "32-true" and scope == "off" and not baseline.float8
+        result = search.run(baseline, baseline_is_reference=reference)
     result.elapsed_s = time.perf_counter() - started
     if show:
         print_report(result)

@@ -135,13 +135,17 @@ def tuned_config(
         ("float8", "lightning_accel.Float8Training", "recipe"),
         ("activation_checkpointing", "lightning_accel.ActivationCheckpointing", "policy"),
     ):
-        value = getattr(best, knob)
-        if value and value != getattr(base, knob):
-            trainer["callbacks"] = [
-                *(trainer.get("callbacks") or []),
-                {"class_path": class_path, "init_args": {arg: value}},
-            ]
-            lines.append(f"callback {class_path.rsplit('.', 1)[1]}({arg}={value!r})")
+        value, name = getattr(best, knob), class_path.rsplit(".", 1)[1]
+        if value == getattr(base, knob):
+            continue
+        # the recipe's own one (if any) goes: measured without it, or with another setting, the tuned run was faster
+        kept = [c for c in trainer.get("callbacks") or [] if str(c.get("class_path", "")).rsplit(".", 1)[-1] != name]
+        if len(kept) < len(trainer.get("callbacks") or []):
+            lines.append(f"callback {name}({arg}={getattr(base, knob)!r}) removed: it cost more than it bought")
+        if value:
+            kept.append({"class_path": class_path, "init_args": {arg: value}})
+            lines.append(f"callback {name}({arg}={value!r})")
+        trainer["callbacks"] = kept
     for knob in ("num_workers", "pin_memory", "persistent_workers", "batch_size"):
         value = getattr(best, knob)
         if value is not None and value != getattr(base, knob):

@@ -31,6 +31,7 @@ from lightning_accel.tune.space import (
     float8_candidates,
     loader_candidates,
     precision_compile_candidates,
+    without_own_candidates,
 )
 from lightning_accel.tune.trial import DATA_KNOBS, TrialResult, data_knob_holders
 
@@ -365,16 +366,26 @@ class Search:
         if baseline_is_reference:
             self.reference = baseline
         else:
-            ref = self.measure("reference", baseline_candidate.with_(precision="32-true", compile="off"))
+            fp32_eager = baseline_candidate.with_(precision="32-true", compile="off", float8=None)
+            ref = self.measure("reference", fp32_eager)
             ref.verdict = "fp32 eager: the numerics reference" if ref.ok else ref.verdict
             self.reference = ref if ref.ok else None
             self.on_trial(ref)
         best = baseline
         # Earlier stages leave time for the batch stage (about three doublings) and the confirmation round.
-        loader = loader_candidates(best.candidate, self.data, self.accelerator)
-        best = self.stage("loader", loader, best, keep_trials=6)
+        if self.data.has("num_workers"):
+            loader = loader_candidates(best.candidate, self.data, self.accelerator)
+            best = self.stage("loader", loader, best, keep_trials=6)
+        else:
+            self.notes.append(
+                "loader not tuned: the loader's owner has no num_workers attribute or hparam to set (pin_memory and "
+                "persistent_workers go with it)"
+            )
         options = precision_compile_candidates(best.candidate, self.accelerator, self.has_blocks)
         best = self.stage("precision x compile", options, best, keep_trials=5)
+        # the recipe's own activation checkpointing and fp8 cost time: measured without them, kept only if they pay
+        own = without_own_candidates(baseline.candidate, best.candidate, self.accelerator)
+        best = self.stage("the recipe's own", own, best, keep_trials=3)
         missing = fp8_hardware() if self.accelerator == "gpu" else "not a GPU run"
         if missing:
             self.notes.append(f"fp8 not tried: {missing}")
@@ -389,10 +400,21 @@ class Search:
             if self.memory_bound and self.has_blocks:  # memory, not speed, stopped the batch: trade recompute for it
                 more = activation_checkpointing_candidates(best.candidate, base_batch, keep, limit, accumulate)
                 best = self.stage("activation checkpointing", more, best, keep_trials=2)
+            else:
+                self.notes.append(
+                    "activation checkpointing not tried: "
+                    + (
+                        "the model has no repeated blocks to wrap"
+                        if not self.has_blocks
+                        else "memory did not limit the batch size (it recomputes activations to save memory, so "
+                        "it pays only where memory is what stops a larger batch)"
+                    )
+                )
         else:
             self.notes.append(
                 "the loader's owner (the DataModule, or the module with its own train_dataloader()) has no batch_size "
-                "attribute or hparam: the batch size was not tuned"
+                "attribute or hparam: the batch size was not tuned (nor activation checkpointing, which buys a "
+                "larger batch)"
             )
         if best is not baseline:
             self.confirm(baseline, best)

@@ -34,6 +34,9 @@ class Candidate:
         float8: torchao fp8 recipe (``"tensorwise"``, ``"rowwise"``) through ``Float8Training``; GPUs with fp8 only.
         activation_checkpointing: ``ActivationCheckpointing`` policy (``"selective"``, ``"full"``): memory for a
             larger batch.
+
+    For ``float8`` and ``activation_checkpointing``, ``None`` means none: a recipe's own callback is carried by
+    the baseline candidate, so that it is measured, and dropped where it only costs, like any other choice.
     """
 
     precision: str | None = None
@@ -155,6 +158,19 @@ def float8_candidates(best: Candidate, accelerator: str) -> Iterator[Candidate]:
         return
     for recipe in ("tensorwise", "rowwise"):
         yield best.with_(float8=recipe, precision="bf16-mixed")
+
+
+def without_own_candidates(baseline: Candidate, best: Candidate, accelerator: str) -> Iterator[Candidate]:
+    """The recipe's own activation checkpointing or fp8, taken off (and the other policy or recipe tried): each
+    costs time, and pays only where it buys memory or speed. Nothing when the recipe has neither."""
+    if baseline.activation_checkpointing:
+        yield best.with_(activation_checkpointing=None)
+        other = "selective" if baseline.activation_checkpointing == "full" else "full"
+        yield best.with_(activation_checkpointing=other)
+    if baseline.float8:
+        yield best.with_(float8=None)
+        if accelerator == "gpu" and fp8_hardware() is None:
+            yield best.with_(float8="rowwise" if baseline.float8 == "tensorwise" else "tensorwise")
 
 
 def activation_checkpointing_candidates(

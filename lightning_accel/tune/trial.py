@@ -188,6 +188,22 @@ def run_trial_process(spec_path: str, out_path: str) -> None:
         Path(out_path).write_text(json.dumps(asdict(result)))
 
 
+def _apply_own_features(trainer: Any, cand: dict[str, Any]) -> None:
+    """Activation checkpointing and fp8 as the candidate has them. The recipe's own callback stays as it is (its
+    blocks, its skips) where the candidate keeps its setting (the baseline carries it), and goes where the candidate
+    measures without it or with another setting."""
+    for kind, knob, attr in (
+        (ActivationCheckpointing, "activation_checkpointing", "policy"),
+        (Float8Training, "float8", "recipe"),
+    ):
+        wanted, own = cand.get(knob), [c for c in trainer.callbacks if isinstance(c, kind)]
+        if own and getattr(own[0], attr) == wanted:
+            continue
+        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, kind)]
+        if wanted:
+            trainer.callbacks.append(kind(**{attr: wanted}))
+
+
 def _run(spec: dict[str, Any], result: TrialResult) -> int:
     """Train the trial into ``result``; returns the global rank (only rank 0 writes the result)."""
     cand, settings = spec["candidate"], TrialSettings(**spec["settings"])
@@ -197,8 +213,8 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
         if cand.get(knob) is not None:
             for holder in data_knob_holders(loader_owner, knob):  # all of them, as BatchSizeFinder does
                 setattr(holder, knob, cand[knob])
-    # Checkpoints are not part of what a trial measures; the recipe's compile callback is replaced by the
-    # candidate's, unless the spec measures the recipe as it is ("as_is": a benchmark of a tuned recipe).
+    # Checkpoints are not part of what a trial measures; the recipe's compile, activation checkpointing and fp8
+    # are the candidate's, unless the spec measures the recipe as it is ("as_is": a benchmark of a tuned recipe).
     drop = Checkpoint if spec.get("as_is") else (Checkpoint, TorchCompile)
     trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, drop)]
     if cand.get("compile", "off") != "off":
@@ -207,10 +223,8 @@ def _run(spec: dict[str, Any], result: TrialResult) -> int:
             blocks = {id(m) for m in find_blocks(model)}  # the blocks only, not a head of their class
             modules = [name for name, m in model.named_modules() if name and id(m) in blocks]
         trainer.callbacks.append(TorchCompile(modules=modules, mode=cand.get("compile_mode"), fallback=False))
-    if cand.get("float8"):
-        trainer.callbacks.append(Float8Training(recipe=cand["float8"]))
-    if cand.get("activation_checkpointing"):
-        trainer.callbacks.append(ActivationCheckpointing(policy=cand["activation_checkpointing"]))
+    if not spec.get("as_is"):
+        _apply_own_features(trainer, cand)
     compiling = cand.get("compile", "off") != "off" or any(isinstance(c, TorchCompile) for c in trainer.callbacks)
     probe = TrialProbe(settings, count_flops=not compiling)
     trainer.callbacks.append(probe)

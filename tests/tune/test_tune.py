@@ -511,3 +511,75 @@ def test_fp8_is_tried_over_bf16_on_an_fp8_gpu_and_kept_only_inside_the_numerics_
     assert {"class_path": "lightning_accel.Float8Training", "init_args": {"recipe": "rowwise"}} in config["trainer"][
         "callbacks"
     ]
+
+
+def test_the_recipes_own_activation_checkpointing_is_measured_and_dropped_where_it_only_costs(monkeypatch, tmp_path):
+    """A recipe with ActivationCheckpointing(policy="full") on a machine with memory to spare: the search measures
+    the recipe without it (and with the other policy) like any candidate, keeps the fastest, and the tuned recipe
+    drops the callback saying why. Every stage not tried says why: the loader (no num_workers), fp8 (not a GPU
+    run), activation checkpointing at a larger batch (memory did not limit the batch)."""
+    speed = {"full": 60.0, "selective": 80.0, None: 100.0}  # what recomputing costs per policy
+
+    def fake_trial(spec, timeout_s, workdir):
+        cand = spec["candidate"]
+        batch = cand.get("batch_size") or 16
+        sps = speed[cand.get("activation_checkpointing")] * (1.0 if batch == 16 else 0.9)  # no gain from batch
+        return TrialResult(
+            samples_per_sec=sps, losses=[1.0] * 8, batch_size=batch, wall_s=0.5, peak_memory_mb=100, memory_total_mb=1e6
+        )
+
+    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    search = Search({}, DataKnobs({"batch_size": 16}), "cpu", True, 600, planned=lambda r: None, workdir=tmp_path)
+    search.on_trial = lambda trial: None
+    baseline = Candidate(precision="32-true", activation_checkpointing="full")
+    result = search.run(baseline, baseline_is_reference=True)
+    assert result.best.candidate.activation_checkpointing is None and result.best.stage == "the recipe's own"
+    tried = {t.candidate.activation_checkpointing for t in result.trials if t.stage == "the recipe's own"}
+    assert tried == {None, "selective"}
+    notes = " | ".join(result.notes)
+    assert "loader not tuned: the loader's owner has no num_workers" in notes
+    assert "fp8 not tried: not a GPU run" in notes
+    assert "activation checkpointing not tried: memory did not limit the batch size" in notes
+    recipe = {
+        "trainer": {
+            "callbacks": [
+                {"class_path": "lightning_accel.ActivationCheckpointing", "init_args": {"policy": "full"}},
+                {"class_path": "lightning_accel.GoodputMonitor"},
+            ]
+        },
+        "data": {"init_args": {"batch_size": 16}},
+    }
+    config, lines = tuned_config(recipe, result, block_names=["blocks.0"])
+    assert config["trainer"]["callbacks"] == [{"class_path": "lightning_accel.GoodputMonitor"}]
+    assert "callback ActivationCheckpointing(policy='full') removed: it cost more than it bought" in lines
+    # where it buys the memory the batch needs (without it, the trial runs out of memory), it stays
+    speed[None] = None
+    real = fake_trial
+
+    def without_it_runs_out(spec, timeout_s, workdir):
+        if spec["candidate"].get("activation_checkpointing") is None:
+            return TrialResult(error="CUDA out of memory", oom=True, wall_s=0.5)
+        return real(spec, timeout_s, workdir)
+
+    monkeypatch.setattr("lightning_accel.tune.search.run_trial", without_it_runs_out)
+    search = Search({}, DataKnobs({"batch_size": 16}), "cpu", True, 600, planned=lambda r: None, workdir=tmp_path)
+    search.on_trial = lambda trial: None
+    kept = search.run(baseline, baseline_is_reference=True)
+    assert kept.best.candidate.activation_checkpointing == "selective"  # the cheaper policy that still fits
+
+
+def test_a_trial_keeps_the_recipes_own_callback_as_it_is_or_trains_without_it():
+    from types import SimpleNamespace
+
+    from lightning_accel import ActivationCheckpointing
+    from lightning_accel.tune.trial import _apply_own_features
+
+    own = ActivationCheckpointing(policy="full", blocks=["layers.0"])  # the user's own blocks
+    trainer = SimpleNamespace(callbacks=[own])
+    _apply_own_features(trainer, {"activation_checkpointing": "full"})
+    assert trainer.callbacks == [own]  # the baseline: the recipe's callback itself, its blocks too
+    _apply_own_features(trainer, {"activation_checkpointing": "selective"})
+    assert [(type(c).__name__, c.policy) for c in trainer.callbacks] == [("ActivationCheckpointing", "selective")]
+    trainer.callbacks = [own]
+    _apply_own_features(trainer, {"activation_checkpointing": None})
+    assert trainer.callbacks == []
