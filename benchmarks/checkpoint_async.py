@@ -38,8 +38,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from benchmarks.harness import RESULTS, quiet_trainer, write
 from lightning_accel import PreemptionCheckpoint
-from lightning_accel.data import SyntheticClassificationDataModule
-from lightning_accel.models import MLPClassifier
+from lightning_accel.demos import MLPClassifier, SyntheticClassificationDataModule
 
 VARIANTS = ("none", "ours_sync", "ours_async", "lightning_async", "dcp_async")
 AFTER = 3  # steps after a save whose slowdown is reported

@@ -26,8 +26,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from benchmarks.harness import write
-from lightning_accel.data import SyntheticTokenDataModule
-from lightning_accel.models import TinyGPT
+from lightning_accel.demos import SyntheticTokenDataModule, TinyGPT
 from lightning_accel.monitor import HangSentinel
 from lightning_accel.testing import quiet_trainer_kwargs
 

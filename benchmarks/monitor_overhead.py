@@ -25,8 +25,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 
 from benchmarks.harness import RESULTS, quiet_trainer, write
 from lightning_accel import GoodputMonitor, UtilizationMonitor
-from lightning_accel.data import SyntheticTokenDataModule
-from lightning_accel.models import TinyGPT
+from lightning_accel.demos import SyntheticTokenDataModule, TinyGPT
 from lightning_accel.monitor.batches import default_batch_size
 from lightning_accel.monitor.ledger import LedgerProfiler
 

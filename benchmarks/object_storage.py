@@ -40,7 +40,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from benchmarks.checkpoint_async import DCPAsyncSave, MomentumMLP, StepTimes, _time_saving_hook
 from benchmarks.harness import RESULTS, quiet_trainer, write
 from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
-from lightning_accel.data import SyntheticClassificationDataModule
+from lightning_accel.demos import SyntheticClassificationDataModule
 from tests.helpers.object_stores import MotoServer, s3_env
 
 VARIANTS = ("none", "ours_local", "ours_bucket", "lightning_s3", "lightning_s3_async", "dcp_async_s3")

@@ -15,9 +15,8 @@ from lightning.pytorch import seed_everything
 
 from benchmarks.harness import RESULTS, quiet_trainer, write
 from lightning_accel import Float8Training, GoodputMonitor, TorchCompile
-from lightning_accel.data import SyntheticTokenDataModule
+from lightning_accel.demos import SyntheticTokenDataModule, TinyGPT
 from lightning_accel.float8 import fp8_hardware
-from lightning_accel.models import TinyGPT
 
 CONFIGS = {  # name: (precision, compiled, fp8)
     "fp32 eager": ("32-true", False, False),

@@ -19,8 +19,7 @@ from lightning.pytorch import seed_everything
 import lightning_accel  # noqa: F401
 from benchmarks.harness import RESULTS, quiet_trainer, write
 from lightning_accel import GoodputMonitor
-from lightning_accel.data import SyntheticTokenDataModule
-from lightning_accel.models import TinyGPT
+from lightning_accel.demos import SyntheticTokenDataModule, TinyGPT
 
 
 def measure(strategy: str, steps: int) -> dict[str, float]:

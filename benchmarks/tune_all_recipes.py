@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.harness import RESULTS, save_figure, write_json
 from benchmarks.tune_recipe import side_by_side
-from lightning_accel.tune import Candidate, TrialSettings, tune
+from lightning_accel.tuning import Candidate, TrialSettings, tune
 
 CPU_RECIPES = ("recipes/mlp_cpu.yaml", "recipes/tiny_gpt_cpu.yaml", "recipes/tiny_gpt_ddp_cpu.yaml")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, save_figure, write_json
-from lightning_accel.tune import Candidate, TrialSettings, tune
-from lightning_accel.tune.server import run_trial
+from lightning_accel.tuning import Candidate, TrialSettings, tune
+from lightning_accel.tuning.server import run_trial
 
 
 def batch_size_finder(config: str, max_trials: int) -> int:

@@ -4,7 +4,9 @@ Importing the package registers the strategy presets (``accel_ddp``, ``accel_zer
 Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/architecture.md).
 """
 
-from lightning_accel import tune  # a callable package: lightning_accel.tune(...) runs the search
+from typing import TYPE_CHECKING, Any
+
+from lightning_accel import data as _data
 from lightning_accel.checkpoint import (
     PREEMPTED_EXIT_CODE,
     AtomicCheckpointIO,
@@ -14,12 +16,7 @@ from lightning_accel.checkpoint import (
     find_resume_checkpoint,
 )
 from lightning_accel.compile import TorchCompile
-from lightning_accel.data import (
-    ResumableDataLoader,
-    ResumableStreamLoader,
-    SyntheticClassificationDataModule,
-    SyntheticTokenDataModule,
-)
+from lightning_accel.data import ResumableDataLoader, ResumableStreamLoader
 from lightning_accel.extras import MissingExtra
 from lightning_accel.float8 import Float8Training
 from lightning_accel.monitor import (
@@ -33,14 +30,25 @@ from lightning_accel.monitor import (
 )
 from lightning_accel.precision import auto_precision, choose_precision
 from lightning_accel.profile import Finding, TorchProfiler, diagnose
-from lightning_accel.strategies import (
-    PRESETS,
-    ActivationCheckpointing,
-    close_gloo_process_group_at_exit,
-    register_presets,
-)
+from lightning_accel.strategies import PRESETS, ActivationCheckpointing, register_presets
+
+if TYPE_CHECKING:
+    from lightning_accel.data import DALIImageDataModule
+    from lightning_accel.tuning import tune
 
 register_presets()
+
+
+def __getattr__(name: str) -> Any:
+    # tune() on first use: the search imports LightningCLI and its trial server, which training never needs
+    if name == "tune":
+        from lightning_accel.tuning import tune
+
+        return tune
+    if name == "DALIImageDataModule":  # DALI (the [dali] extra) on first use: a large, slow import
+        return _data.DALIImageDataModule
+    raise AttributeError(f"module 'lightning_accel' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 __all__ = [
@@ -49,6 +57,7 @@ __all__ = [
     "PRESETS",
     "ActivationCheckpointing",
     "AtomicCheckpointIO",
+    "DALIImageDataModule",
     "Finding",
     "Float8Training",
     "GoodputMonitor",
@@ -62,16 +71,12 @@ __all__ = [
     "PrometheusExporter",
     "ResumableDataLoader",
     "ResumableStreamLoader",
-    "SyntheticClassificationDataModule",
-    "SyntheticTokenDataModule",
     "TorchCompile",
     "TorchProfiler",
     "UtilizationMonitor",
     "auto_precision",
     "choose_precision",
-    "close_gloo_process_group_at_exit",
     "diagnose",
     "find_resume_checkpoint",
-    "register_presets",
     "tune",
 ]

@@ -25,8 +25,8 @@ from lightning_accel.profile import TorchProfiler, diagnose, load_run, report
 from lightning_accel.recipe import build_cli
 from lightning_accel.storage import download_dir, is_remote
 from lightning_accel.strategies import close_gloo_process_group_at_exit
-from lightning_accel.tune import tune
-from lightning_accel.tune.config import add_cli_options, config_from_cli
+from lightning_accel.tuning import tune
+from lightning_accel.tuning.config import add_cli_options, config_from_cli
 
 log = logging.getLogger(__name__)
 

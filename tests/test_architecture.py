@@ -21,11 +21,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("_compat", "extras"),  # every Lightning private name we use; which pip extra each optional feature needs
     ("phases", "host", "figures", "ranks", "storage", "contracts"),  # shared facts, storage, protocols
-    ("precision", "compile", "float8", "data", "strategies", "checkpoint", "models", "testing"),  # training is made of
-    ("monitor",),  # observes training: may recognise a checkpoint writer, never changes training
+    ("precision", "compile", "float8", "data", "strategies", "checkpoint", "testing"),  # training is made of
+    ("monitor", "demos"),  # observes training, never changes it; demo models and data, built on the floors below
     ("profile",),  # reads what monitor/ recorded
     ("recipe",),  # builds a run from a recipe: Trainer, LightningCLI
-    ("tune", "launch"),  # run recipes: as trials, on torchrun or Ray
+    ("tuning", "launch"),  # run recipes: as trials, on torchrun or Ray
     ("cli",),  # the commands
     ("",),  # lightning_accel/__init__.py: the public API, re-exports
 )
@@ -39,16 +39,18 @@ LAZY_IMPORTS = {
     "transformer_engine": "optional, GPU only: probed to offer fp8 in tune",
     "torchao": "float8 training: imported when Float8Training converts a model (its CUDA kernels load at import)",
     "pynvml": "NVML: its import is tried only when a CUDA device is visible (a clear reason logged if it fails)",
+    "lightning_accel.tuning": "tune(): its search imports LightningCLI and the trial server, which training never "
+    "needs; the top level imports it on first use",
     "lightning_accel.data.dali": "DALI: a heavy import (CUDA libraries), done on first use of a DALI name",
     "lightning_accel.data.dali_loader": "DALI: a heavy import (CUDA libraries), done on first use of a DALI name",
 }
 
 # Longer than the limits below, with the reason a reader would accept.
 LONG_MODULES = {
-    "lightning_accel/tune/search.py": "the staged search: its stages, budget estimates and final choice share state",
+    "lightning_accel/tuning/search.py": "the staged search: its stages, budget estimates and final choice share state",
 }
 LONG_FUNCTIONS: dict[str, str] = {
-    "lightning_accel/tune/__init__.py:tune": "builds the run from a recipe or from objects, then runs the search; "
+    "lightning_accel/tuning/__init__.py:tune": "builds the run from a recipe or from objects, then runs the search; "
     "each branch is a few lines of the same sequence",
 }
 MAX_MODULE_LINES = 400
@@ -258,3 +260,19 @@ def test_every_test_file_the_code_and_docs_point_to_exists():
         m for text in [*texts, (root / "pyproject.toml").read_text()] for m in re.findall(r"tests/[\w/]+\.py", text)
     }
     assert named and sorted(n for n in named if not (root / n).is_file()) == []
+
+
+def test_the_readme_api_table_lists_exactly_the_public_names():
+    """The README's API table and ``lightning_accel.__all__`` name the same things (a new export needs its line)."""
+    import re
+
+    import lightning_accel
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = readme.split("## API", 1)[1].split("\n## ", 1)[0]
+    listed = {
+        name for row in re.findall(r"^\| (`.+?`(?: / `.+?`)*) \|", table, re.M) for name in re.findall(r"`(\w+)`", row)
+    }
+    assert listed == set(lightning_accel.__all__), listed ^ set(lightning_accel.__all__)
+    for name in lightning_accel.__all__:
+        assert getattr(lightning_accel, name) is not None, name

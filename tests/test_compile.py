@@ -8,8 +8,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_accel._compat import dynamo_counters, graph_break
 from lightning_accel.compile import TorchCompile
-from lightning_accel.data import SyntheticClassificationDataModule
-from lightning_accel.models import MLPClassifier
+from lightning_accel.demos import MLPClassifier, SyntheticClassificationDataModule
 
 from .conftest import tiny_trainer_kwargs
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_accel.data import SyntheticClassificationDataModule
-from lightning_accel.models import MLPClassifier
+from lightning_accel.demos import MLPClassifier, SyntheticClassificationDataModule
 from lightning_accel.precision import DeviceCapabilities, auto_precision, choose_precision
 
 from .conftest import tiny_trainer_kwargs

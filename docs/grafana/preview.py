@@ -23,8 +23,7 @@ from pathlib import Path
 import lightning as L
 
 import lightning_accel as la
-from lightning_accel.data import SyntheticTokenDataModule
-from lightning_accel.models import TinyGPT
+from lightning_accel.demos import SyntheticTokenDataModule, TinyGPT
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,7 +1,7 @@
-"""DataModules: built-in synthetic data, resumable loaders, and DALI pipelines (GPU or CPU backend).
+"""Data: resumable loaders and samplers, exact per-sample augmentation, and DALI pipelines (GPU or CPU backend).
 
-The DALI names are imported on first use: DALI is large and slow to import, and a tool that only
-needs the synthetic data (or a machine without DALI) should not pay for it.
+The DALI names are imported on first use: DALI is large and slow to import, and a run that does not use it (or a
+machine without DALI) should not pay for it. The synthetic demo DataModules are in :mod:`lightning_accel.demos`.
 """
 
 from typing import Any
@@ -9,7 +9,6 @@ from typing import Any
 from lightning_accel.data.resumable import ResumableDataLoader, ResumableSampler
 from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
 from lightning_accel.data.stream import ResumableStreamLoader
-from lightning_accel.data.synthetic import SyntheticClassificationDataModule, SyntheticTokenDataModule
 from lightning_accel.extras import require
 
 _DALI_NAMES = {"DALIImageDataModule", "DALILoader", "find_unreadable_images", "scan_image_folder"}
@@ -21,8 +20,6 @@ __all__ = [
     "ResumableDataLoader",
     "ResumableSampler",
     "ResumableStreamLoader",
-    "SyntheticClassificationDataModule",
-    "SyntheticTokenDataModule",
     "find_unreadable_images",
     "scan_image_folder",
     "tag_epochs",

@@ -22,8 +22,7 @@ from lightning_accel.checkpoint import (
 from lightning_accel.checkpoint.async_io import StagingBuffers
 from lightning_accel.checkpoint.atomic import atomic_save
 from lightning_accel.checkpoint.durable import manifest_path
-from lightning_accel.data import SyntheticClassificationDataModule
-from lightning_accel.models import MLPClassifier
+from lightning_accel.demos import MLPClassifier, SyntheticClassificationDataModule
 from tests.conftest import requires_cuda, tiny_trainer_kwargs
 
 

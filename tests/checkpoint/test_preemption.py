@@ -24,8 +24,7 @@ from lightning_accel.checkpoint import (
     preemption,
     verify,
 )
-from lightning_accel.data import SyntheticClassificationDataModule
-from lightning_accel.models import MLPClassifier
+from lightning_accel.demos import MLPClassifier, SyntheticClassificationDataModule
 from tests.conftest import tiny_trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]

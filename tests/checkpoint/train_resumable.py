@@ -14,8 +14,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
-from lightning_accel.data import SyntheticTokenDataModule
-from lightning_accel.models import TinyGPT
+from lightning_accel.demos import SyntheticTokenDataModule, TinyGPT
 from lightning_accel.testing import QUIET_TRAINER
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_accel.data import ResumableDataLoader, SyntheticClassificationDataModule, SyntheticTokenDataModule
+from lightning_accel.data import ResumableDataLoader
+from lightning_accel.demos import SyntheticClassificationDataModule, SyntheticTokenDataModule
 
 
 def test_token_data_follows_its_recurrence_and_is_seeded():

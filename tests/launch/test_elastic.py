@@ -16,9 +16,8 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from lightning_accel.checkpoint import PREEMPTED_EXIT_CODE, PreemptionCheckpoint
-from lightning_accel.data import SyntheticClassificationDataModule
+from lightning_accel.demos import MLPClassifier, SyntheticClassificationDataModule
 from lightning_accel.launch import torchrun
-from lightning_accel.models import MLPClassifier
 from lightning_accel.strategies.elastic import attempt_prefix, under_torchrun
 from tests.conftest import tiny_trainer_kwargs
 
@@ -40,10 +39,10 @@ trainer:
     - class_path: lightning_accel.PreemptionCheckpoint
       init_args: {{dirpath: {root}/ckpt, every_n_steps: 10, keep_last: 2}}
 model:
-  class_path: lightning_accel.models.TinyGPT
+  class_path: lightning_accel.demos.TinyGPT
   init_args: {{vocab_size: 64, seq_len: 32, d_model: 32, n_layers: 2, n_heads: 2}}
 data:
-  class_path: lightning_accel.data.SyntheticTokenDataModule
+  class_path: lightning_accel.demos.SyntheticTokenDataModule
   init_args: {{num_samples: 4096, seq_len: 32, vocab_size: 64, batch_size: 8}}
 """
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "5"]

@@ -89,5 +89,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    la.close_gloo_process_group_at_exit()
+    la.strategies.close_gloo_process_group_at_exit()
     main()

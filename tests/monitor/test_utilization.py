@@ -13,8 +13,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import Dataset
 
-from lightning_accel.data import SyntheticClassificationDataModule, SyntheticTokenDataModule
-from lightning_accel.models import MLPClassifier, TinyGPT
+from lightning_accel.demos import MLPClassifier, SyntheticClassificationDataModule, SyntheticTokenDataModule, TinyGPT
 from lightning_accel.monitor import GoodputMonitor, UtilizationMonitor, cpu_peak_flops
 from lightning_accel.monitor.accounting import GoodputAccounting, Mark
 from lightning_accel.monitor.ledger import BUCKETS

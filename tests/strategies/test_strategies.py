@@ -16,7 +16,7 @@ from torch import nn
 
 import lightning_accel
 from lightning_accel._compat import ddp_kwargs
-from lightning_accel.models import GPTBlock, TinyGPT
+from lightning_accel.demos import GPTBlock, TinyGPT
 from lightning_accel.strategies import (
     PRESETS,
     AccelDDPStrategy,
@@ -37,7 +37,7 @@ def test_presets_registered_and_stock_names_kept():
         assert StrategyRegistry[name]["description"] == preset.description
     for stock in ("ddp", "deepspeed_stage_2", "fsdp"):
         assert stock in StrategyRegistry
-    lightning_accel.register_presets()  # idempotent
+    lightning_accel.strategies.register_presets()  # idempotent
 
 
 _EXIT_PROBE = """
@@ -53,7 +53,7 @@ atexit.register(lambda: print("at exit:", dist.is_initialized(), gloo_threads(),
 import lightning.pytorch  # imports torch._dynamo, which must come before the group exists, as in a real run
 import lightning_accel  # registers nothing at exit on its own ("import-only")
 if sys.argv[1] == "explicit":
-    lightning_accel.close_gloo_process_group_at_exit()
+    lightning_accel.strategies.close_gloo_process_group_at_exit()
 if sys.argv[1] == "accel_ddp":  # our DDP preset registers the hook when it creates a gloo group
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -314,7 +314,7 @@ def test_a_zero_folder_tells_how_many_ranks_wrote_it_and_a_finished_conversion_i
 
 @requires_cuda
 def test_zero2_preset_trains_on_gpu(tmp_path):
-    from lightning_accel.data import SyntheticTokenDataModule
+    from lightning_accel.demos import SyntheticTokenDataModule
 
     trainer = Trainer(
         accelerator="gpu",

@@ -22,8 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_accel  # noqa: F401  (registers the presets)
 from lightning_accel import Float8Training, PreemptionCheckpoint, TorchCompile, find_resume_checkpoint
-from lightning_accel.data import SyntheticTokenDataModule
-from lightning_accel.models import TinyGPT
+from lightning_accel.demos import SyntheticTokenDataModule, TinyGPT
 from lightning_accel.strategies import AccelFSDPStrategy
 from lightning_accel.testing import quiet_trainer_kwargs
 

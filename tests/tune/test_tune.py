@@ -16,12 +16,12 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accel.tune import Candidate, TrialSettings, TuneConfig, tune
-from lightning_accel.tune.config import parse_budget
-from lightning_accel.tune.report import trial_table, tuned_config
-from lightning_accel.tune.search import Search, Trial, TuneResult, data_knobs
-from lightning_accel.tune.space import DataKnobs, batch_candidates, loader_candidates, precision_compile_candidates
-from lightning_accel.tune.trial import TrialResult
+from lightning_accel.tuning import Candidate, TrialSettings, TuneConfig, tune
+from lightning_accel.tuning.config import parse_budget
+from lightning_accel.tuning.report import trial_table, tuned_config
+from lightning_accel.tuning.search import Search, Trial, TuneResult, data_knobs
+from lightning_accel.tuning.space import DataKnobs, batch_candidates, loader_candidates, precision_compile_candidates
+from lightning_accel.tuning.trial import TrialResult
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = TrialSettings(warmup=3, measure_s=0.5, min_batches=5, max_batches=200, loss_batches=4)
@@ -164,7 +164,7 @@ def test_one_lucky_run_does_not_displace_a_confirmed_choice(monkeypatch, tmp_pat
     """A challenger measured once is run again until it rests on as many runs as the confirmed pick."""
     runs = iter([])
     monkeypatch.setattr(
-        "lightning_accel.tune.search.run_trial",
+        "lightning_accel.tuning.search.run_trial",
         lambda spec, timeout_s, workdir: TrialResult(samples_per_sec=next(runs)),
     )
 
@@ -195,7 +195,7 @@ def test_a_trial_that_would_not_finish_in_the_budget_is_not_started(monkeypatch,
     def must_not_run(spec, timeout_s, workdir):
         raise AssertionError(f"a trial was started with {timeout_s:.1f}s left")
 
-    monkeypatch.setattr("lightning_accel.tune.search.run_trial", must_not_run)
+    monkeypatch.setattr("lightning_accel.tuning.search.run_trial", must_not_run)
     search = Search({}, DataKnobs({}), "cpu", False, 100, planned=lambda r: None, workdir=tmp_path)
     walls = {16: 3.4, 32: 3.5, 64: 4.0}
     search.trials = [result("batch", Candidate(batch_size=b), 100, batch=b, wall_s=w) for b, w in walls.items()]
@@ -221,7 +221,7 @@ def test_keep_global_batch_trades_the_recipes_accumulation_for_batch(monkeypatch
         batch = cand["batch_size"] or 8
         return TrialResult(samples_per_sec=100.0 * batch, losses=[1.0], batch_size=batch, wall_s=0.01)
 
-    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    monkeypatch.setattr("lightning_accel.tuning.search.run_trial", fake_trial)
     spec = {"recipe_accumulate": 4}
     search = Search(
         spec, DataKnobs({"batch_size": 8}), "cpu", False, 60, lambda r: None, TuneConfig(keep_global_batch=True)
@@ -243,7 +243,7 @@ def test_one_slow_reading_does_not_end_the_batch_stage(monkeypatch, tmp_path):
         return TrialResult(samples_per_sec=sps, losses=[1.0], batch_size=batch or 16, wall_s=0.01)
 
     fake_trial.runs = 0
-    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    monkeypatch.setattr("lightning_accel.tuning.search.run_trial", fake_trial)
     search = Search({}, DataKnobs({"batch_size": 16}), "cpu", False, 60, lambda r: None, TuneConfig(max_batch=512))
     res = search.run(Candidate(precision="32-true"), baseline_is_reference=True)
     batches = [t.candidate.batch_size for t in res.trials if t.stage == "batch"]
@@ -290,13 +290,21 @@ def test_tuned_recipe_applies_the_choice_and_keeps_the_samples(tmp_path):
     }
 
 
-def test_the_package_is_the_callable_tune():
-    import lightning_accel
-    import lightning_accel.tune as package
+def test_tune_is_a_plain_function_imported_on_first_use():
+    """``lightning_accel.tune`` is the function (no callable-module trick type checkers cannot follow), and
+    ``import lightning_accel`` alone imports neither it nor LightningCLI: a fresh interpreter says so."""
+    import inspect
 
-    assert lightning_accel.tune is package and callable(package) and package.TrialSettings is TrialSettings
+    import lightning_accel
+    from lightning_accel.tuning import tune as the_function
+
+    assert lightning_accel.tune is the_function and inspect.isfunction(the_function)
     with pytest.raises(ValueError, match="either config="):
         lightning_accel.tune()
+    heavy = "('lightning_accel.tuning', 'lightning.pytorch.cli')"
+    probe = f"import sys, lightning_accel; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_data_knobs_come_from_attributes_and_init_parameters():
@@ -309,8 +317,8 @@ def test_knobs_kept_in_hparams_are_found_and_set_in_the_trial(tmp_path):
     """Loader settings kept in hparams (no attributes), of a DataModule or of a module with its own
     train_dataloader() (tuned with datamodule=None), are tuned like attributes: found, and a trial's batch size
     reaches the loader."""
-    from lightning_accel.tune.search import pickle_objects
-    from lightning_accel.tune.server import run_trial
+    from lightning_accel.tuning.search import pickle_objects
+    from lightning_accel.tuning.server import run_trial
 
     kwargs = {"accelerator": "cpu", "devices": 1, "max_steps": 50, "enable_progress_bar": False}
     dm = HparamsDataModule(batch_size=8)
@@ -412,7 +420,7 @@ def test_cli_usage_errors_are_clear():
 def test_trial_failures_and_timeouts_come_back_as_verdicts(tmp_path):
     """A trial that fails at once, one stopped at its time limit, then a good one on the same trial server: each
     returns a result (no exception, no wait for the whole limit), and the server keeps serving."""
-    from lightning_accel.tune.server import run_trial
+    from lightning_accel.tuning.server import run_trial
 
     def spec(config: str, settings: TrialSettings) -> dict:
         return {"config": config, "candidate": Candidate().as_dict(), "settings": vars(settings)}
@@ -432,7 +440,7 @@ def test_trial_failures_and_timeouts_come_back_as_verdicts(tmp_path):
 def test_starting_the_trial_server_is_not_the_first_trials_time(monkeypatch, tmp_path):
     """The server imports torch and Lightning once; a trial's wall time (the budget's estimate of the next trials)
     starts when it is ready, so the first trial does not look seconds longer than the rest."""
-    from lightning_accel.tune import server as trial_module
+    from lightning_accel.tuning import server as trial_module
 
     monkeypatch.setattr(trial_module, "_SERVER", None)  # a new server for this search
     spec = {"config": str(ROOT / "recipes/mlp_cpu.yaml"), "candidate": Candidate().as_dict(), "settings": vars(FAST)}
@@ -460,7 +468,7 @@ def test_activation_checkpointing_is_tried_only_when_memory_stopped_the_batch(mo
         speed = {"selective": 0.9, "full": 0.75, None: 1.0}[policy]
         return TrialResult(samples_per_sec=speed * 100.0 * batch, losses=[1.0], batch_size=batch, wall_s=0.01)
 
-    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    monkeypatch.setattr("lightning_accel.tuning.search.run_trial", fake_trial)
     search = Search({}, DataKnobs({"batch_size": 8}), "cpu", True, 60, lambda r: None, TuneConfig(max_batch=256))
     res = search.run(Candidate(precision="32-true"), baseline_is_reference=True)
     assert search.memory_bound and (32, None) in tried
@@ -479,7 +487,7 @@ def test_activation_checkpointing_is_tried_only_when_memory_stopped_the_batch(mo
     # without the memory limit, no such stage
     tried.clear()
     monkeypatch.setattr(
-        "lightning_accel.tune.search.run_trial",
+        "lightning_accel.tuning.search.run_trial",
         lambda spec, timeout_s, workdir: TrialResult(
             samples_per_sec=100.0, losses=[1.0], batch_size=spec["candidate"]["batch_size"] or 8, wall_s=0.01
         ),
@@ -491,9 +499,9 @@ def test_activation_checkpointing_is_tried_only_when_memory_stopped_the_batch(mo
 def test_fp8_is_tried_over_bf16_on_an_fp8_gpu_and_kept_only_inside_the_numerics_guard(monkeypatch, tmp_path):
     """On a GPU with fp8 (stubbed here): tensorwise is faster but its loss drifts past the guard, rowwise is faster
     and close: rowwise is chosen, over bf16-mixed, and the tuned recipe gets Float8Training(recipe='rowwise')."""
-    monkeypatch.setattr("lightning_accel.tune.space.fp8_hardware", lambda: None)
-    monkeypatch.setattr("lightning_accel.tune.search.fp8_hardware", lambda: None)
-    monkeypatch.setattr("lightning_accel.tune.space.precisions_for", lambda accelerator: ["32-true", "bf16-mixed"])
+    monkeypatch.setattr("lightning_accel.tuning.space.fp8_hardware", lambda: None)
+    monkeypatch.setattr("lightning_accel.tuning.search.fp8_hardware", lambda: None)
+    monkeypatch.setattr("lightning_accel.tuning.space.precisions_for", lambda accelerator: ["32-true", "bf16-mixed"])
 
     def fake_trial(spec, timeout_s, workdir):
         cand = spec["candidate"]
@@ -501,7 +509,7 @@ def test_fp8_is_tried_over_bf16_on_an_fp8_gpu_and_kept_only_inside_the_numerics_
         loss = 3.0 if cand["float8"] == "tensorwise" else 1.0
         return TrialResult(samples_per_sec=speed, losses=[loss, loss], batch_size=8, wall_s=0.01)
 
-    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    monkeypatch.setattr("lightning_accel.tuning.search.run_trial", fake_trial)
     search = Search({}, DataKnobs({}), "gpu", False, 60, lambda r: None, TuneConfig(loss_tolerance=0.05))
     res = search.run(Candidate(precision="32-true"), baseline_is_reference=True)
     fp8 = {t.candidate.float8: t.verdict for t in res.trials if t.stage == "fp8"}
@@ -528,7 +536,7 @@ def test_the_recipes_own_activation_checkpointing_is_measured_and_dropped_where_
             samples_per_sec=sps, losses=[1.0] * 8, batch_size=batch, wall_s=0.5, peak_memory_mb=100, memory_total_mb=1e6
         )
 
-    monkeypatch.setattr("lightning_accel.tune.search.run_trial", fake_trial)
+    monkeypatch.setattr("lightning_accel.tuning.search.run_trial", fake_trial)
     search = Search({}, DataKnobs({"batch_size": 16}), "cpu", True, 600, planned=lambda r: None, workdir=tmp_path)
     search.on_trial = lambda trial: None
     baseline = Candidate(precision="32-true", activation_checkpointing="full")
@@ -561,7 +569,7 @@ def test_the_recipes_own_activation_checkpointing_is_measured_and_dropped_where_
             return TrialResult(error="CUDA out of memory", oom=True, wall_s=0.5)
         return real(spec, timeout_s, workdir)
 
-    monkeypatch.setattr("lightning_accel.tune.search.run_trial", without_it_runs_out)
+    monkeypatch.setattr("lightning_accel.tuning.search.run_trial", without_it_runs_out)
     search = Search({}, DataKnobs({"batch_size": 16}), "cpu", True, 600, planned=lambda r: None, workdir=tmp_path)
     search.on_trial = lambda trial: None
     kept = search.run(baseline, baseline_is_reference=True)
@@ -572,7 +580,7 @@ def test_a_trial_keeps_the_recipes_own_callback_as_it_is_or_trains_without_it():
     from types import SimpleNamespace
 
     from lightning_accel import ActivationCheckpointing
-    from lightning_accel.tune.trial import _apply_own_features
+    from lightning_accel.tuning.trial import _apply_own_features
 
     own = ActivationCheckpointing(policy="full", blocks=["layers.0"])  # the user's own blocks
     trainer = SimpleNamespace(callbacks=[own])

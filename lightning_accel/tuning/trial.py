@@ -4,7 +4,7 @@ The trial process (started by ``server.py``) trains ``warmup`` batches (compilat
 start-up), then measures for at least ``measure_s`` seconds, records the losses of the first batches for the
 numerics guard, and writes one JSON :class:`TrialResult`.
 
-    python -m lightning_accel.tune SPEC.json RESULT.json      (see __main__.py)
+    python -m lightning_accel.tuning SPEC.json RESULT.json      (see __main__.py)
 """
 
 from __future__ import annotations

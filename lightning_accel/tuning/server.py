@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.tune.trial import TrialResult, run_trial_process
+from lightning_accel.tuning.trial import TrialResult, run_trial_process
 
 
 class TrialServer:
@@ -35,7 +35,7 @@ class TrialServer:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_accel.tune", "--serve"],
+            [sys.executable, "-m", "lightning_accel.tuning", "--serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -89,7 +89,7 @@ class TrialServer:
 
 
 def serve() -> None:
-    """The fork server's loop (``python -m lightning_accel.tune --serve``)."""
+    """The fork server's loop (``python -m lightning_accel.tuning --serve``)."""
     # Everything a trial imports is imported by now (this module imports trial.py, which imports the recipe).
     print("READY", flush=True)
     for line in sys.stdin:
@@ -171,7 +171,7 @@ def run_trial(spec: dict[str, Any], timeout_s: float, workdir: Path) -> TrialRes
     }
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "lightning_accel.tune", str(spec_path), str(out_path)],
+            [sys.executable, "-m", "lightning_accel.tuning", str(spec_path), str(out_path)],
             capture_output=True,
             text=True,
             timeout=max(timeout_s, 1.0),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.tune.trial import TrialSettings
+from lightning_accel.tuning.trial import TrialSettings
 
 
 @dataclass

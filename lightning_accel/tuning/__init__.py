@@ -2,18 +2,16 @@
 
     lightning-accel tune --config recipe.yaml [--budget 5m] [--out tuned.yaml]
 
-or, from code, ``lightning_accel.tune(model=..., datamodule=..., trainer_kwargs=...)``: this package is
-callable (``lightning_accel.tune(...)`` is :func:`tune`) and still holds its names
-(``lightning_accel.tune.TrialSettings``). See docs/tune.md.
+or, from code, ``lightning_accel.tune(model=..., datamodule=..., trainer_kwargs=...)``: :func:`tune`, a plain
+function, which the top-level package imports on first use (so ``import lightning_accel`` does not import
+LightningCLI and the trial server). The search's pieces live here, under ``lightning_accel.tuning``. See docs/tune.md.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import sys
 import time
-import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,12 +25,12 @@ from lightning_accel.float8 import Float8Training
 from lightning_accel.recipe import AccelTrainer, build_cli
 from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
 from lightning_accel.strategies.blocks import find_blocks
-from lightning_accel.tune.config import TuneConfig, parse_budget
-from lightning_accel.tune.report import plot, print_report, trial_line, wide_console, write_json, write_tuned_yaml
-from lightning_accel.tune.search import Search, Trial, TuneResult, data_knobs, pickle_objects
-from lightning_accel.tune.server import temporary_workdir
-from lightning_accel.tune.space import Candidate
-from lightning_accel.tune.trial import TrialResult, TrialSettings
+from lightning_accel.tuning.config import TuneConfig, parse_budget
+from lightning_accel.tuning.report import plot, print_report, trial_line, wide_console, write_json, write_tuned_yaml
+from lightning_accel.tuning.search import Search, Trial, TuneResult, data_knobs, pickle_objects
+from lightning_accel.tuning.server import temporary_workdir
+from lightning_accel.tuning.space import Candidate
+from lightning_accel.tuning.trial import TrialResult, TrialSettings
 
 __all__ = ["Candidate", "TrialSettings", "TuneConfig", "TuneResult", "parse_budget", "tune"]
 
@@ -198,13 +196,3 @@ class _Progress:
         if self.show:
             self.bar.update(self.task, completed=self.budget_s)
             self.bar.stop()
-
-
-class _CallableModule(types.ModuleType):
-    """``lightning_accel.tune(...)`` calls :func:`tune`, and the package's other names stay reachable."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> TuneResult:
-        return tune(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_accel.float8 import fp8_hardware
-from lightning_accel.tune.config import TuneConfig
-from lightning_accel.tune.server import run_trial, temporary_workdir
-from lightning_accel.tune.space import (
+from lightning_accel.tuning.config import TuneConfig
+from lightning_accel.tuning.server import run_trial, temporary_workdir
+from lightning_accel.tuning.space import (
     Candidate,
     DataKnobs,
     activation_checkpointing_candidates,
@@ -33,7 +33,7 @@ from lightning_accel.tune.space import (
     precision_compile_candidates,
     without_own_candidates,
 )
-from lightning_accel.tune.trial import DATA_KNOBS, TrialResult, data_knob_holders
+from lightning_accel.tuning.trial import DATA_KNOBS, TrialResult, data_knob_holders
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +354,36 @@ class Search:
             )
             best = fastest
 
+    def batch_stages(self, best: Trial) -> Trial:
+        """Larger batches; then, where memory stopped them, activation checkpointing for the next one."""
+        if self.data.has("batch_size"):
+            base_batch = int(self.data.values["batch_size"])
+            limit = self.config.max_batch or base_batch * 16
+            accumulate = int(self.spec.get("recipe_accumulate") or 1)
+            keep = self.config.keep_global_batch
+            larger = batch_candidates(best.candidate, base_batch, keep, limit, accumulate)
+            best = self.stage("batch", larger, best, keep_trials=2)
+            if self.memory_bound and self.has_blocks:  # memory, not speed, stopped the batch: trade recompute for it
+                more = activation_checkpointing_candidates(best.candidate, base_batch, keep, limit, accumulate)
+                best = self.stage("activation checkpointing", more, best, keep_trials=2)
+            else:
+                self.notes.append(
+                    "activation checkpointing not tried: "
+                    + (
+                        "the model has no repeated blocks to wrap"
+                        if not self.has_blocks
+                        else "memory did not limit the batch size (it recomputes activations to save memory, so "
+                        "it pays only where memory is what stops a larger batch)"
+                    )
+                )
+        else:
+            self.notes.append(
+                "the loader's owner (the DataModule, or the module with its own train_dataloader()) has no batch_size "
+                "attribute or hparam: the batch size was not tuned (nor activation checkpointing, which buys a "
+                "larger batch)"
+            )
+        return best
+
     def run(self, baseline_candidate: Candidate, baseline_is_reference: bool) -> TuneResult:
         baseline = self.measure("baseline", baseline_candidate)
         if not baseline.ok:
@@ -390,32 +420,7 @@ class Search:
         if missing:
             self.notes.append(f"fp8 not tried: {missing}")
         best = self.stage("fp8", float8_candidates(best.candidate, self.accelerator), best, keep_trials=2)
-        if self.data.has("batch_size"):
-            base_batch = int(self.data.values["batch_size"])
-            limit = self.config.max_batch or base_batch * 16
-            accumulate = int(self.spec.get("recipe_accumulate") or 1)
-            keep = self.config.keep_global_batch
-            larger = batch_candidates(best.candidate, base_batch, keep, limit, accumulate)
-            best = self.stage("batch", larger, best, keep_trials=2)
-            if self.memory_bound and self.has_blocks:  # memory, not speed, stopped the batch: trade recompute for it
-                more = activation_checkpointing_candidates(best.candidate, base_batch, keep, limit, accumulate)
-                best = self.stage("activation checkpointing", more, best, keep_trials=2)
-            else:
-                self.notes.append(
-                    "activation checkpointing not tried: "
-                    + (
-                        "the model has no repeated blocks to wrap"
-                        if not self.has_blocks
-                        else "memory did not limit the batch size (it recomputes activations to save memory, so "
-                        "it pays only where memory is what stops a larger batch)"
-                    )
-                )
-        else:
-            self.notes.append(
-                "the loader's owner (the DataModule, or the module with its own train_dataloader()) has no batch_size "
-                "attribute or hparam: the batch size was not tuned (nor activation checkpointing, which buys a "
-                "larger batch)"
-            )
+        best = self.batch_stages(best)
         if best is not baseline:
             self.confirm(baseline, best)
         best = self.settle(best)

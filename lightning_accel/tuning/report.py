@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_accel.figures import pyplot
-from lightning_accel.tune.search import Trial, TuneResult
-from lightning_accel.tune.space import Candidate
+from lightning_accel.tuning.search import Trial, TuneResult
+from lightning_accel.tuning.space import Candidate
 
 
 def _fmt(value: float | None, spec: str) -> str:
