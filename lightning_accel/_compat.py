@@ -38,6 +38,45 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.constants import default_pg_timeout
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from typing_extensions import override
+
+__all__ = [
+    "FIT_LOOP_BATCH_PROGRESS",
+    "LIGHTNING_MODULE_ACTION_PREFIX",
+    "MODEL_PARALLEL_SETUP_DIGEST",
+    "PRECISION_ALIASES",
+    "PRECISION_STRINGS",
+    "RICH_AVAILABLE",
+    "SAVE_CHECKPOINT_ACTION",
+    "STRATEGY_ACTION_PREFIX",
+    "TRAINING_BATCH_ACTION",
+    "TRAIN_FETCH_ACTION",
+    "PrecisionInput",
+    "StepsProgressBar",
+    "ddp_kwargs",
+    "deepspeed_loads_universal",
+    "default_store",
+    "dispatch_mode_active",
+    "dynamo_counters",
+    "graph_break",
+    "is_last_batch",
+    "log_current_train_batch",
+    "materialize_distributed_module",
+    "merge_epoch_results",
+    "nccl_flight_recorder_dump",
+    "optimizers_to_device",
+    "process_group_timeout",
+    "rescale_train_batches",
+    "run_due_validation",
+    "running_epoch_results",
+    "saves_distributed_checkpoint",
+    "set_data_parallel_size",
+    "set_handler_after_fit",
+    "set_train_batches_done",
+    "train_batches_in_checkpoint",
+    "validation_due_after_this_batch",
+    "wrap_validation_runs",
+]
 
 # Whether Lightning's default progress bar is its RichProgressBar (rich installed, as it is with our dependencies).
 RICH_AVAILABLE = bool(_RICH_AVAILABLE)
@@ -228,11 +267,13 @@ class StepsProgressBar(RichProgressBar):
     instead of "Epoch 0/-2" (Lightning writes ``max_epochs - 1`` and a step-bounded run has ``max_epochs=-1``), and
     the numbers beside the bar start with ``step 60/120``. It overrides a private method of the bar."""
 
+    @override
     def _get_train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs is None or self.trainer.max_epochs < 0:
             return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"  # padded as Lightning's
         return super()._get_train_description(current_epoch)
 
+    @override
     def get_metrics(self, trainer: Trainer, pl_module: Any) -> dict[str, int | str | float | dict[str, float]]:
         metrics = super().get_metrics(trainer, pl_module)
         if trainer.max_steps > 0:

@@ -28,6 +28,8 @@ from lightning_accel.strategies import close_gloo_process_group_at_exit
 from lightning_accel.tuning import tune
 from lightning_accel.tuning.config import add_cli_options, config_from_cli
 
+__all__ = ["COMMANDS", "doctor", "fit_with_ray", "main", "overview", "profile", "tune_command"]
+
 log = logging.getLogger(__name__)
 
 

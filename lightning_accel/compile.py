@@ -10,9 +10,12 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
+from typing_extensions import override
 
 from lightning_accel._compat import dispatch_mode_active
 from lightning_accel.phases import COMPILE_ACTION
+
+__all__ = ["TorchCompile"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,7 @@ class TorchCompile(Callback):
         self.backward_pending = False
         self._timing_backward: float | None = None
 
+    @override
     def setup(
         self, trainer: Trainer, pl_module: LightningModule, stage: Literal["fit", "validate", "test", "predict"]
     ) -> None:
@@ -126,15 +130,18 @@ class TorchCompile(Callback):
             module.forward = _CompiledForward(self, name or type(pl_module).__name__, module, self.compile_kwargs)
             self._patched.append(module)
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.profiler = trainer.profiler  # a monitor may have wrapped it in its own setup
 
+    @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self.backward_pending:
             self.backward_pending = False
             trainer.profiler.start(COMPILE_ACTION)
             self._timing_backward = time.perf_counter()
 
+    @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._timing_backward is not None:
             elapsed = time.perf_counter() - self._timing_backward
@@ -142,6 +149,7 @@ class TorchCompile(Callback):
             self.compile_time_s["backward"] = self.compile_time_s.get("backward", 0.0) + elapsed
             self._timing_backward = None
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.profiler = None
         # Leave the user's module as we found it (eager), e.g. before it is pickled or reused.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["pyplot"]
+
 
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the non-interactive Agg backend (no display on a training node)."""

@@ -22,8 +22,22 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from typing_extensions import override
 
 from lightning_accel.extras import MissingExtra, available, pip_install
+
+__all__ = [
+    "ALIGNMENT",
+    "FP8_CAPABILITY",
+    "HARDWARE",
+    "HEAD_NAMES",
+    "RECIPES",
+    "Float8Training",
+    "Recipe",
+    "fp8_hardware",
+    "fp8_reasons",
+    "output_head",
+]
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +173,7 @@ class Float8Training(Callback):
         if missing is not None:
             log.warning("Float8Training: %s; training without fp8 (on_unsupported='fallback')", missing)
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or not self.active or self.converted:
             return
@@ -186,6 +201,7 @@ class Float8Training(Callback):
         if not self.converted:
             log.warning("Float8Training: no linear layer qualifies for fp8 (see the reasons above); nothing changes")
 
+    @override
     def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # After the optimizer step: one all-reduce computes every fp8 weight's scale for the next all-gather.
         if self._fsdp_all_gather and self.converted:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+__all__ = ["usable_cores"]
+
 
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask: a container's or ``taskset``'s limit, not the host's)."""

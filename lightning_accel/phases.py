@@ -17,6 +17,8 @@ from lightning_accel._compat import (
     TRAINING_BATCH_ACTION,
 )
 
+__all__ = ["COMPILE_ACTION", "PROFILER_ACTION", "Phase", "phase_of"]
+
 COMPILE_ACTION = "torch_compile"  # around calls that compile (TorchCompile)
 PROFILER_ACTION = "lightning_accel.profiler_overhead"  # the profiler's own work (trace export)
 

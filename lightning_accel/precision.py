@@ -18,6 +18,8 @@ import torch
 
 from lightning_accel._compat import PRECISION_ALIASES, PRECISION_STRINGS
 
+__all__ = ["AUTO", "DeviceCapabilities", "PrecisionChoice", "auto_precision", "choose_precision"]
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto-mixed"

@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+__all__ = ["current_rank", "for_rank", "gather_from_ranks"]
+
 T = TypeVar("T")
 
 

@@ -18,12 +18,15 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from lightning_accel._compat import RICH_AVAILABLE, PrecisionInput, StepsProgressBar
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint, verify
 from lightning_accel.precision import auto_precision
 from lightning_accel.strategies import check_strategy_name, init_restart_safe_process_group
 from lightning_accel.strategies.elastic import nodes_in_this_round
+
+__all__ = ["AccelArgumentParser", "AccelCLI", "AccelTrainer", "build_cli", "one_line_error"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class AccelTrainer(Trainer):
             kwargs["callbacks"] = [*callbacks, StepsProgressBar()]  # Lightning's default bar, without "Epoch 0/-2"
         super().__init__(*args, precision=precision, **kwargs)
 
+    @override
     def fit(
         self,
         model: LightningModule,
@@ -112,6 +116,7 @@ def _did_you_mean(value: str, choices: list[str]) -> str:
 class AccelArgumentParser(LightningArgumentParser):
     """LightningCLI's parser, whose errors are one line naming the bad value and the fix, not a 50-line usage."""
 
+    @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:  # jsonargparse trying a value internally: it catches this
             super().error(message, ex)
@@ -124,6 +129,7 @@ class AccelCLI(LightningCLI):
     """LightningCLI whose ``fit --ckpt_path auto`` resumes from the newest valid checkpoint, and which verifies an
     explicit ``--ckpt_path`` before anything unpickles it."""
 
+    @override
     def parse_arguments(self, parser: Any, args: Any) -> None:
         super().parse_arguments(parser, args)
         # LightningCLI reads a ckpt_path's hyperparameters (torch.load) right after parsing: a corrupt file would
@@ -136,6 +142,7 @@ class AccelCLI(LightningCLI):
                 "--ckpt_path auto to resume from the newest valid one in the PreemptionCheckpoint folder"
             )
 
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         try:
             return super().instantiate_trainer(**kwargs)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["QUIET_TRAINER", "quiet_trainer_kwargs"]
+
 # No logger, checkpoints, progress bar, summary, sanity check or validation.
 QUIET_TRAINER: dict[str, Any] = {
     "logger": False,

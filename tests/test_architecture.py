@@ -47,6 +47,8 @@ LAZY_IMPORTS = {
 
 # Longer than the limits below, with the reason a reader would accept.
 LONG_MODULES = {
+    "lightning_accel/checkpoint/preemption.py": "a Callback on 14 of Lightning's hooks, each marked @override; what "
+    "they do lives in the modules beside it (signals, retention, save timing, destination, epoch and RNG state)",
     "lightning_accel/tuning/search.py": "the staged search: its stages, budget estimates and final choice share state",
 }
 LONG_FUNCTIONS: dict[str, str] = {
@@ -276,3 +278,40 @@ def test_the_readme_api_table_lists_exactly_the_public_names():
     assert listed == set(lightning_accel.__all__), listed ^ set(lightning_accel.__all__)
     for name in lightning_accel.__all__:
         assert getattr(lightning_accel, name) is not None, name
+
+
+def _our_modules():
+    import importlib
+    import pkgutil
+
+    import lightning_accel
+
+    for info in pkgutil.walk_packages(lightning_accel.__path__, "lightning_accel."):
+        if not info.name.endswith("__main__"):
+            yield importlib.import_module(info.name)
+
+
+def test_every_module_says_what_it_exports_and_every_lightning_hook_we_override_says_so():
+    """``__all__`` in every module, naming only what is there; ``@override`` (typing_extensions, as Lightning
+    writes it) on every method that overrides a Lightning class's, so a hook renamed upstream is caught by a type
+    checker instead of silently never being called."""
+    import inspect
+
+    missing_all, bad_all, unmarked = [], [], []
+    for module in _our_modules():
+        names = getattr(module, "__all__", None)
+        if names is None:
+            missing_all.append(module.__name__)
+        else:
+            bad_all += [f"{module.__name__}.{n}" for n in names if not hasattr(module, n)]
+        for cls in vars(module).values():
+            if not inspect.isclass(cls) or cls.__module__ != module.__name__:
+                continue
+            bases = [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] in ("lightning", "lightning_fabric")]
+            for attr, value in vars(cls).items():
+                if attr.startswith("__") or not any(hasattr(b, attr) for b in bases):
+                    continue
+                func = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+                if inspect.isfunction(func) and not getattr(func, "__override__", False):
+                    unmarked.append(f"{cls.__module__}.{cls.__name__}.{attr}")
+    assert missing_all == [] and bad_all == [] and unmarked == [], (missing_all, bad_all, unmarked)

@@ -19,10 +19,13 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import Strategy
 from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
 
 from lightning_accel.checkpoint.atomic import AtomicCheckpointIO
 from lightning_accel.checkpoint.durable import PathLike
 from lightning_accel.checkpoint.sharded import writes_folders
+
+__all__ = ["AsyncAtomicCheckpointIO", "AsyncWrite", "StagingBuffers", "install_atomic_io"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,7 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
         self._staging = StagingBuffers()
         self.last_write: AsyncWrite | None = None
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None
     ) -> AsyncWrite:
@@ -136,6 +140,7 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
         self.last_write = handle
         return handle
 
+    @override
     def remove_checkpoint(self, path: PathLike) -> None:
         if self._executor is None:  # no write thread (before the first save, after teardown): now
             super().remove_checkpoint(path)
@@ -156,6 +161,7 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
         if errors:
             raise errors[0]
 
+    @override
     def teardown(self) -> None:
         try:
             self.wait()

@@ -20,6 +20,7 @@ from typing import IO, Any
 import torch
 import xxhash
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
 
 from lightning_accel.checkpoint.bucket_resume import fetch_from_bucket
 from lightning_accel.checkpoint.durable import (
@@ -34,6 +35,8 @@ from lightning_accel.checkpoint.durable import (
 )
 from lightning_accel.checkpoint.verify import verified_once_per_node
 from lightning_accel.storage import check_storage_url, is_remote
+
+__all__ = ["AtomicCheckpointIO", "CorruptCheckpointError", "atomic_save"]
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -133,6 +136,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._spares: dict[Path, Path] = {}  # folder -> a removed checkpoint kept to be overwritten
         self._saving = False  # between the first save and teardown: a spare is only kept for a save to come
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO does not take storage_options, got {storage_options!r}")
@@ -160,6 +164,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return False
         return self._written.get(str(path)) == (stat.st_size, stat.st_mtime_ns)
 
+    @override
     def load_checkpoint(
         self, path: PathLike, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
@@ -173,6 +178,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
+    @override
     def remove_checkpoint(self, path: PathLike) -> None:
         """Remove ``path`` and its manifest. With ``recycle``, one removed file per folder is kept under a hidden
         temporary name for the next save to overwrite: overwriting pages already allocated costs less than
@@ -187,6 +193,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().remove_checkpoint(path)
         manifest_path(path).unlink(missing_ok=True)
 
+    @override
     def teardown(self) -> None:
         """Delete the spare files kept for recycling."""
         spares, self._spares, self._saving = self._spares, {}, False

@@ -6,10 +6,13 @@ import logging
 import os
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_accel.checkpoint.async_io import AsyncAtomicCheckpointIO
 from lightning_accel.checkpoint.notices import LEAD_S, METADATA_URLS, SOURCES, Notice, NoticeWatcher, detect_cloud
 from lightning_accel.checkpoint.preemption import Preempted, PreemptionCheckpoint
+
+__all__ = ["PreemptionNotices", "cloud_from_env_or_dmi"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class PreemptionNotices(Callback):
         self.watcher: NoticeWatcher | None = None
         self.margin_s: float | None = None  # seconds left before the deadline once the save was durable
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.watcher, self.margin_s = None, None
         if stage != "fit" or self.cloud is None:
@@ -95,6 +99,7 @@ class PreemptionNotices(Callback):
             )
         self._checkpoint.request_stop(notice.detail)
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop_watching()
         watcher = self.watcher
@@ -115,6 +120,7 @@ class PreemptionNotices(Callback):
         except OSError as error:
             log.warning("could not acknowledge the %s event %s: %s", notice.cloud, notice.event_id, error)
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_watching()
 

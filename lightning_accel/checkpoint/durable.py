@@ -19,6 +19,23 @@ import xxhash
 
 from lightning_accel.storage import parse_json_object
 
+__all__ = [
+    "CHECKSUM",
+    "MANIFEST_FORMAT",
+    "MANIFEST_SUFFIX",
+    "RUN_ID_KEY",
+    "TMP_MARKER",
+    "PathLike",
+    "Verdict",
+    "file_digest",
+    "fsync_dir",
+    "manifest_path",
+    "parse_manifest",
+    "read_manifest",
+    "write_durably",
+    "write_manifest",
+]
+
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = 2  # 2: xxh3_64 checksum; 1: sha256
 CHECKSUM = "xxh3_64"

@@ -19,6 +19,15 @@ from torchmetrics import Metric
 
 from lightning_accel._compat import merge_epoch_results, running_epoch_results
 
+__all__ = [
+    "EpochState",
+    "PendingResults",
+    "capture_epoch_state",
+    "restore_metric_states",
+    "user_metrics",
+    "warn_about_unsaved_metrics",
+]
+
 log = logging.getLogger(__name__)
 
 EpochState = dict[str, Any]

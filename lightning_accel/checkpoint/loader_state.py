@@ -14,6 +14,15 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from lightning_accel.contracts import follows_world_size, is_stateful
 
+__all__ = [
+    "flat_loaders",
+    "has_wrapped_stateful_sampler",
+    "refuse_loaders_that_cannot_follow",
+    "train_batch_size",
+    "warn_if_epoch_order_is_lost",
+    "warn_if_not_resumable",
+]
+
 
 def has_wrapped_stateful_sampler(loader: Any) -> bool:
     """A StatefulDataLoader whose own sampler Lightning wrapped for DDP (its order is lost on resume)."""

@@ -30,6 +30,21 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+__all__ = [
+    "AZURE_ASSET_TAG",
+    "LEAD_S",
+    "METADATA_URLS",
+    "SOURCES",
+    "AwsSpot",
+    "AzureScheduledEvents",
+    "GcePreemption",
+    "Notice",
+    "NoticeError",
+    "NoticeSource",
+    "NoticeWatcher",
+    "detect_cloud",
+]
+
 log = logging.getLogger(__name__)
 
 METADATA_URLS = {

@@ -12,6 +12,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from lightning_accel._compat import (
     is_last_batch,
@@ -40,6 +41,8 @@ from lightning_accel.checkpoint.save_timing import SaveTimer
 from lightning_accel.checkpoint.sharded import seal_folder
 from lightning_accel.checkpoint.signals import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from lightning_accel.ranks import gather_from_ranks
+
+__all__ = ["EPOCH_STATE_KEY", "VALIDATION_DUE_KEY", "PreemptionCheckpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +167,7 @@ class PreemptionCheckpoint(Callback):
         self.save_timer.grace_period_s = min(self.save_timer.grace_period_s, seconds)
 
     # -- lifecycle ----------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -188,10 +192,12 @@ class PreemptionCheckpoint(Callback):
                 "handlers; periodic saves work, saves on a signal do not"
             )
 
+    @override
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._install_handlers(trainer)
         self._stash_rng_for_validation()
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._install_handlers(trainer)
         if self._validation_due:
@@ -206,9 +212,11 @@ class PreemptionCheckpoint(Callback):
             log.warning("received a stop signal before the first training step: nothing new to save, stopping")
             self._stop(trainer, None)
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.resumed.fit_ends(trainer)
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.stop_signals.restore()
         if stage == "fit" and self.stop_signals.received is not None and not self.preempted:
@@ -222,6 +230,7 @@ class PreemptionCheckpoint(Callback):
             self._prune(trainer.strategy.checkpoint_io)
             self.destination.finish()
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Also on Preempted: teardown hooks do not run after an exception, and Lightning's teardown follows this hook.
         self.stop_signals.restore_after_fit(trainer)
@@ -244,11 +253,13 @@ class PreemptionCheckpoint(Callback):
     def _stash_rng_for_validation(self) -> None:
         self._validation_rng = capture_rng()
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and self._validation_rng is not None:
             restore_rng(self._validation_rng)
 
     # -- saving -------------------------------------------------------------------------------------
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_at_batch_start = trainer.global_step
         if self._pending_rng is not None:
@@ -262,6 +273,7 @@ class PreemptionCheckpoint(Callback):
                 restore_metric_states(pl_module, state)
                 self._pending_results = PendingResults(state.get("results", {}))
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -371,11 +383,13 @@ class PreemptionCheckpoint(Callback):
         if self.destination.url is None:  # a bucket's retention is its publisher's, once each upload is confirmed
             self.retention.prune(self.local_dir, self.run_id, io)
 
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pending_results is not None:
             self._pending_results.warn_unmerged()
             self._pending_results = None
 
+    @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # On every rank, while the checkpoint is assembled: the gather is a collective all ranks reach.
         checkpoint[RUN_ID_KEY] = self.run_id
@@ -383,17 +397,20 @@ class PreemptionCheckpoint(Callback):
         checkpoint[VALIDATION_DUE_KEY] = self._validation_due  # True only in save(), at a training batch's end
         self.resumed.record(trainer, checkpoint)
 
+    @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_epoch_state = checkpoint.get(EPOCH_STATE_KEY)
         self._validation_due = bool(checkpoint.get(VALIDATION_DUE_KEY, False))
         self.resumed.loaded(trainer, checkpoint, self.state_key)  # before the loops load
 
     # -- state --------------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank while the checkpoint is assembled, so a collective is safe here.
         states = gather_rng_states()
         return {"rng_states": states, "run_id": self.run_id, "world_size": len(states)}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng_states")
         self.run_id = state_dict.get("run_id") or self.run_id

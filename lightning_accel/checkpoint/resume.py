@@ -13,6 +13,8 @@ from lightning_accel.checkpoint.durable import TMP_MARKER, PathLike, read_manife
 from lightning_accel.checkpoint.verify import verified_once_per_node
 from lightning_accel.storage import check_storage_url, is_remote
 
+__all__ = ["find_resume_checkpoint", "list_checkpoints", "recorded_step"]
+
 log = logging.getLogger(__name__)
 
 _STEP_IN_NAME = re.compile(r"step=(\d+)")

@@ -12,6 +12,8 @@ from lightning_accel.checkpoint.durable import manifest_path, read_manifest
 from lightning_accel.checkpoint.resume import list_checkpoints
 from lightning_accel.checkpoint.verify import verify
 
+__all__ = ["KeepLast"]
+
 log = logging.getLogger(__name__)
 
 

@@ -11,6 +11,8 @@ import torch
 
 from lightning_accel.ranks import gather_from_ranks
 
+__all__ = ["RNGState", "capture_rng", "gather_rng_states", "restore_rng", "rng_for_rank", "seeded_rng"]
+
 RNGState = dict[str, Any]
 
 

@@ -6,6 +6,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel.checkpoint.async_io import AsyncWrite
 
+__all__ = ["SaveTimer"]
+
 
 class SaveTimer:
     """Each save's start-to-durable seconds in :attr:`seconds`; the first one over ``grace_period_s`` warns, with

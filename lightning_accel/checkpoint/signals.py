@@ -18,6 +18,15 @@ from typing import Any
 
 from lightning_accel._compat import set_handler_after_fit
 
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "Handler",
+    "Preempted",
+    "StopSignals",
+    "on_main_thread",
+    "parse_signal",
+]
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[int, FrameType | None], Any]

@@ -20,6 +20,8 @@ from lightning_accel.checkpoint.durable import (
 from lightning_accel.checkpoint.sharded import verify_folder
 from lightning_accel.storage import cache_root, node_lock, parse_json_object
 
+__all__ = ["manifest_damage", "verified_once_per_node", "verify"]
+
 
 def _verify_zip(path: Path, why: str) -> Verdict:
     try:

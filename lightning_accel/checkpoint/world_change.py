@@ -20,6 +20,18 @@ from lightning_accel._compat import rescale_train_batches, train_batches_in_chec
 from lightning_accel.checkpoint.loader_state import train_batch_size
 from lightning_accel.contracts import follows_world_size
 
+__all__ = [
+    "CONFIGURED_KEY",
+    "WORLD_KEY",
+    "WorldChange",
+    "accumulation_to_keep",
+    "apply_world_change",
+    "follow_world_change",
+    "plan_world_change",
+    "saved_world",
+    "world_of",
+]
+
 log = logging.getLogger(__name__)
 
 WORLD_KEY = "lightning_accel_world"  # the world size and accumulation that wrote a checkpoint

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+from typing_extensions import override
 
 from lightning_accel.data.dali_loader import (
     IMAGENET_MEAN,
@@ -29,6 +30,8 @@ from lightning_accel.data.dali_loader import (
     scan_image_folder,
 )
 from lightning_accel.host import usable_cores
+
+__all__ = ["DALIImageDataModule"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,7 @@ class DALIImageDataModule(LightningDataModule):
             return self.trainer.strategy.root_device.index
         return torch.cuda.current_device()
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_dir is not None:
             self.classes, files, labels = scan_image_folder(self.train_dir)
@@ -346,9 +350,11 @@ class DALIImageDataModule(LightningDataModule):
             seed = int(np.random.SeedSequence([seed, source.first_epoch, source.first_slot]).generate_state(1)[0])
         return seed
 
+    @override
     def train_dataloader(self) -> DALILoader:
         return self._loader(train=True)
 
+    @override
     def val_dataloader(self) -> DALILoader | list:
         if self.val_dir is None and self.val_arrays is None:
             return []

@@ -26,6 +26,20 @@ from lightning_accel.data.global_order import (
 from lightning_accel.ranks import gather_from_ranks
 from lightning_accel.storage import check_storage_url, filesystem, is_remote
 
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGE_SUFFIXES",
+    "LAST_BATCH_POLICIES",
+    "READER_NAME",
+    "DALILoader",
+    "DealtArraySource",
+    "batches_per_epoch",
+    "explain_dali_error",
+    "find_unreadable_images",
+    "scan_image_folder",
+]
+
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"}

@@ -29,6 +29,8 @@ from lightning_accel.data.global_order import (
 )
 from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
 
+__all__ = ["ResumableDataLoader", "ResumableSampler"]
+
 log = logging.getLogger(__name__)
 
 # Every batch drawn from the iterator has been trained on when a checkpoint is written: Lightning's

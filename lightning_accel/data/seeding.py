@@ -19,6 +19,8 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from lightning_accel.contracts import is_stateful
 
+__all__ = ["PerSampleSeed", "sample_seed", "tag_epochs"]
+
 _MASK = (1 << 64) - 1
 
 

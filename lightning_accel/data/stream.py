@@ -26,6 +26,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lightning_accel.contracts import is_stateful
 from lightning_accel.ranks import current_rank, for_rank, gather_from_ranks
 
+__all__ = ["ResumableStreamLoader"]
+
 
 class _EndAwareStream(IterableDataset):
     """The user's stream plus whether its iteration had ended: restored as ended, the next ``__iter__`` yields

@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from typing_extensions import override
+
+__all__ = ["MLPClassifier"]
 
 
 class MLPClassifier(LightningModule):
@@ -41,20 +44,24 @@ class MLPClassifier(LightningModule):
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
         self.log("val_acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True)
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)

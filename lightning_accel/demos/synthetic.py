@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 from lightning_accel.data.resumable import ResumableDataLoader
+
+__all__ = ["SyntheticClassificationDataModule", "SyntheticTokenDataModule"]
 
 
 class _TensorDataModule(LightningDataModule):
@@ -34,6 +37,7 @@ class _TensorDataModule(LightningDataModule):
             "persistent_workers": self.persistent_workers and self.num_workers > 0,
         }
 
+    @override
     def train_dataloader(self) -> ResumableDataLoader:
         if self.train_set is None:
             raise RuntimeError(f"{type(self).__name__}.train_dataloader() before setup(): call dm.setup('fit') first")
@@ -41,6 +45,7 @@ class _TensorDataModule(LightningDataModule):
         loader_kwargs = {"per_sample_seed": False, **self._loader_kwargs()}
         return ResumableDataLoader(self.train_set, shuffle=True, seed=self.seed, **loader_kwargs)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
             raise RuntimeError(f"{type(self).__name__}.val_dataloader() before setup(): call dm.setup('fit') first")
@@ -77,6 +82,7 @@ class SyntheticClassificationDataModule(_TensorDataModule):
         self.num_samples, self.val_samples = num_samples, val_samples
         self.input_dim, self.num_classes = input_dim, num_classes
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         g = torch.Generator().manual_seed(self.seed)
         teacher = torch.randn(self.input_dim, self.num_classes, generator=g)
@@ -120,6 +126,7 @@ class SyntheticTokenDataModule(_TensorDataModule):
         self.num_samples, self.val_samples = num_samples, val_samples
         self.seq_len, self.vocab_size = seq_len, vocab_size
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         g = torch.Generator().manual_seed(self.seed)
         total = self.num_samples + self.val_samples

@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from typing_extensions import override
+
+__all__ = ["GPTBlock", "TinyGPT"]
 
 
 class GPTBlock(nn.Module):
@@ -64,6 +67,7 @@ class TinyGPT(LightningModule):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
+    @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
@@ -76,13 +80,16 @@ class TinyGPT(LightningModule):
         logits = self(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

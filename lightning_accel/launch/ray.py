@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_accel.checkpoint import PreemptionCheckpoint
 from lightning_accel.extras import require
 from lightning_accel.recipe import AccelCLI, build_cli
+
+__all__ = ["RayReport", "fit_on_ray", "newest_checkpoint", "split_ray_args", "worker_count"]
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +66,14 @@ class RayReport(Callback):
             (Path(folder) / "latest.json").write_text(json.dumps(pointer))
             ray.train.report(self._metrics(trainer), checkpoint=ray.train.Checkpoint.from_directory(folder))
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         # once per optimizer step (micro-batches of an accumulation window share the step)
         if trainer.global_step % self.every_n_steps == 0 and trainer.global_step != self._last_step:
             self._last_step = trainer.global_step
             self._report(trainer)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._report(trainer, final=True)
 

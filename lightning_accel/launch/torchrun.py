@@ -28,6 +28,8 @@ from torch.distributed.run import get_args_parser, run
 
 from lightning_accel.checkpoint import PREEMPTED_EXIT_CODE
 
+__all__ = ["SUBCOMMANDS", "USAGE", "exit_launcher", "torchrun"]
+
 log = logging.getLogger(__name__)
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")

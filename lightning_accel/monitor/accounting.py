@@ -18,6 +18,20 @@ from lightning_accel.monitor.cost import COST_KEYS
 from lightning_accel.monitor.ledger import BUCKETS, Ledger
 from lightning_accel.monitor.membership import MEMBERSHIP_KEYS
 
+__all__ = [
+    "GOODPUT_KEYS",
+    "METRIC_KEYS",
+    "STRAGGLER_MADS",
+    "STRAGGLER_MIN_EXCESS_S",
+    "STRAGGLER_MIN_INTERVALS",
+    "STRAGGLER_RATIO",
+    "STRAGGLER_TWO_RANK_SHARE",
+    "STRAGGLER_WINDOW",
+    "THROUGHPUT_KEYS",
+    "GoodputAccounting",
+    "Mark",
+]
+
 THROUGHPUT_KEYS = (
     "throughput/samples_per_sec",
     "throughput/tokens_per_sec",

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["default_batch_size", "default_tokens"]
+
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):

@@ -16,6 +16,8 @@ from typing import Literal
 
 from lightning_accel.monitor.ledger import BUCKETS
 
+__all__ = ["COST_KEYS", "ENV_PREFIX", "Pricing", "cost_figures"]
+
 ENV_PREFIX = "LIGHTNING_ACCEL_PRICE_"
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+__all__ = ["PREFIX", "PrometheusExporter", "resolve_exporter", "run_label", "series_name"]
+
 log = logging.getLogger(__name__)
 
 PREFIX = "lightning_accel_"

@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.profilers import Profiler
+from typing_extensions import override
+
+__all__ = ["ForwardingProfiler", "remove_wrapper"]
 
 
 def remove_wrapper(trainer: Any, wrapper: Profiler) -> None:
@@ -35,21 +38,27 @@ class ForwardingProfiler(Profiler):
         super().__init__()
         self.inner = inner
 
+    @override
     def start(self, action_name: str) -> None:
         self.inner.start(action_name)
 
+    @override
     def stop(self, action_name: str) -> None:
         self.inner.stop(action_name)
 
+    @override
     def setup(self, *args: Any, **kwargs: Any) -> None:
         self.inner.setup(*args, **kwargs)
 
+    @override
     def teardown(self, *args: Any, **kwargs: Any) -> None:
         self.inner.teardown(*args, **kwargs)
 
+    @override
     def describe(self) -> None:
         self.inner.describe()
 
+    @override
     def summary(self) -> str:
         return self.inner.summary()
 

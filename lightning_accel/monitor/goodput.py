@@ -1,9 +1,7 @@
 """GoodputMonitor: where every second of a fit goes, throughput and MFU, work lost to restarts, stragglers.
 
-The arithmetic is :class:`~lightning_accel.monitor.accounting.GoodputAccounting` (no Trainer in it); this callback
-feeds it from Lightning's hooks, installs the ledger's profiler for the fit, and writes, logs and exports the
-figures.
-"""
+The arithmetic is :class:`~lightning_accel.monitor.accounting.GoodputAccounting` (no Trainer in it); this callback feeds
+it from Lightning's hooks, installs the ledger's profiler for the fit, and writes, logs and exports the figures."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.flop_counter import FlopCounterMode
+from typing_extensions import override
 
 from lightning_accel._compat import wrap_validation_runs
 from lightning_accel.checkpoint.resumed_run import nothing_left_to_train
@@ -146,6 +145,7 @@ class GoodputMonitor(Callback):
         return self.accounting.ledger
 
     # -- installing the ledger ----------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -160,6 +160,7 @@ class GoodputMonitor(Callback):
             trainer, lambda: ledger.enter("validation"), lambda: ledger.exit("validation")
         )
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._wrapper is not None:
             remove_wrapper(trainer, self._wrapper)
@@ -170,6 +171,7 @@ class GoodputMonitor(Callback):
         if self._owns_exporter and self.exporter is not None:
             self.exporter.close()
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.ledger.start()
         self.accounting.peak_flops, self.peak_source = peak_flops(
@@ -177,10 +179,12 @@ class GoodputMonitor(Callback):
         )
 
     # -- restarts -----------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         state = {"membership": self.membership.state_dict(), "world_size": self._world_size, "saved_at": time.time()}
         return {**self.accounting.state_dict(), **state}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.accounting.load_state_dict(state_dict)
         self.membership.load_state_dict(state_dict.get("membership"))
@@ -195,6 +199,7 @@ class GoodputMonitor(Callback):
         if trainer.is_global_zero:
             log.warning("membership change: %s so far (the replay is counted as it happens)", change.describe())
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.accounting.resumed and nothing_left_to_train(trainer):
             self._finished_before = True  # the same command again after the run finished: no attempt, no restart
@@ -222,6 +227,7 @@ class GoodputMonitor(Callback):
         self._last_log = self.accounting.mark()
 
     # -- per batch ----------------------------------------------------------------------------------
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if (
             self._counted_flops
@@ -241,6 +247,7 @@ class GoodputMonitor(Callback):
             if not self.flops_per_batch:
                 log.warning("No FLOPs were counted (compiled or custom kernels?); pass flops_per_batch= for MFU")
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -351,12 +358,14 @@ class GoodputMonitor(Callback):
             self.results.update(self.membership.metrics())
             self.results.update(self._costs(trainer, self.results))
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._finished_before:  # goodput.json and the loggers keep the finished run's values
             return
         self._finish(trainer)
         self._publish(trainer, self.results)  # before Lightning tears the loggers down
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.ledger.stop()
         if not trainer.is_global_zero or not self.results:
@@ -381,6 +390,7 @@ class GoodputMonitor(Callback):
             path = plot_ledger(bars, self._run_dir / "goodput.png", title="lightning-accel goodput ledger")
             log.info("goodput ledger plot: %s", path)
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._finish(trainer)  # Preempted included: results and the progress file hold up to the stop
         self.ledger.stop()

@@ -16,6 +16,19 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+__all__ = [
+    "PHASE_ORDER",
+    "Beat",
+    "Board",
+    "HangReport",
+    "LocalBoard",
+    "StallClock",
+    "StoreBoard",
+    "Verdict",
+    "Watch",
+    "find_hang",
+]
+
 log = logging.getLogger(__name__)
 
 # Where a rank is inside one training batch, in order: a rank stuck at an earlier point is the one the others

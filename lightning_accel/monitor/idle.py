@@ -19,8 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter, run_label
+
+__all__ = ["IDLE_KEYS", "Command", "IdleMonitor"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class IdleMonitor(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -77,16 +81,20 @@ class IdleMonitor(Callback):
         self._thread = threading.Thread(target=self._watch, name="lightning_accel-idle", daemon=True)
         self._thread.start()
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.exporter is not None:
             self.exporter.follow_run(run_label(trainer))  # the checkpoint's run id is loaded by now
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         self._last_step = time.monotonic()  # a plain write: this hook is on the hot path
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_ended()
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._fit_ended()
 

@@ -18,9 +18,12 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler
+from typing_extensions import override
 
 from lightning_accel.monitor.forwarding import ForwardingProfiler
 from lightning_accel.phases import phase_of
+
+__all__ = ["BUCKETS", "EXCLUDED", "FORWARD", "TRAIN_BUCKETS", "Ledger", "LedgerProfiler", "bucket_of"]
 
 BUCKETS = ("data", "transfer", "compute", "checkpoint", "validation", "compile", "other")
 TRAIN_BUCKETS = frozenset({"data", "transfer", "compute"})
@@ -143,11 +146,13 @@ class LedgerProfiler(ForwardingProfiler):
             bucket = self._buckets[action] = bucket_of(action)
             return bucket
 
+    @override
     def profile(self, action_name: str) -> AbstractContextManager[Any]:
         if self._silent_inner and self._bucket(action_name) is None:
             return _NOTHING
         return super().profile(action_name)
 
+    @override
     def start(self, action_name: str) -> None:
         bucket = self._bucket(action_name)
         if bucket is not None:
@@ -155,6 +160,7 @@ class LedgerProfiler(ForwardingProfiler):
         if not self._silent_inner:
             self.inner.start(action_name)
 
+    @override
     def stop(self, action_name: str) -> None:
         if not self._silent_inner:
             self.inner.stop(action_name)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+__all__ = ["MEMBERSHIP_KEYS", "Change", "MembershipLog"]
+
 MEMBERSHIP_KEYS = ("goodput/membership_changes", "goodput/membership_lost_s", "goodput/last_change_lost_s")
 
 

@@ -15,6 +15,8 @@ from lightning.fabric.utilities.throughput import get_available_flops
 
 from lightning_accel.host import usable_cores
 
+__all__ = ["cpu_flops_per_cycle", "cpu_peak_flops", "gpu_peak_flops", "peak_flops", "precision_dtype"]
+
 # Dense peaks in FLOP/s from the vendor datasheets (sparsity figures halved), matched in order as
 # substrings of the lower-cased device name: "h200 nvl" before "h200".
 _GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (

@@ -8,6 +8,8 @@ from pathlib import Path
 from lightning_accel.figures import pyplot
 from lightning_accel.monitor.ledger import BUCKETS
 
+__all__ = ["COLORS", "plot_ledger"]
+
 COLORS = {
     "compute": "#2ca02c",
     "data": "#d62728",

@@ -18,6 +18,8 @@ from lightning.pytorch import Trainer
 
 from lightning_accel.storage import parse_json_object
 
+__all__ = ["PROGRESS_FILE", "last_progress_time", "read_highest_step", "steps_left", "write_highest_step"]
+
 log = logging.getLogger(__name__)
 
 PROGRESS_FILE = "goodput_progress.json"

@@ -31,11 +31,14 @@ from typing import IO, Any
 
 import psutil
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_accel._compat import default_store, nccl_flight_recorder_dump
 from lightning_accel.monitor.heartbeat import Beat, Board, HangReport, LocalBoard, StoreBoard, Watch
 from lightning_accel.monitor.node_board import NodeBoard, node_folder
 from lightning_accel.monitor.run_folder import run_folder
+
+__all__ = ["HANG_EXIT_CODE", "VERDICT_EVERY_S", "HangSentinel"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,7 @@ class HangSentinel(Callback):
         )
 
     # -- hooks ----------------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -213,15 +217,19 @@ class HangSentinel(Callback):
             verdict_every_s=VERDICT_EVERY_S,
         )
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._enter("forward")
 
+    @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
         self._enter("backward")
 
+    @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         self._enter("optimizer")
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
@@ -229,20 +237,25 @@ class HangSentinel(Callback):
         last = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
         self._finished("train", trainer, "finished" if last else "data")
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._enter("finished")
 
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._since = time.monotonic()
         self._enter("validation")
 
+    @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         self._finished("validation", trainer, "validation")
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._since = time.monotonic()  # the next training batch is timed from here, not from before validation
         self._enter("data")
 
+    @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._leave_checkpoint()
         self._save_resume_phase = self._phase
@@ -257,6 +270,7 @@ class HangSentinel(Callback):
             self._since += now - self._save_started  # a save is not part of the batch it follows
             self._phase = self._save_resume_phase
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning runs no teardown hook after an exception: a Preempted caught in a notebook must not leave a
         # watchdog behind that would take the kernel's silence for a hang
@@ -270,6 +284,7 @@ class HangSentinel(Callback):
         if self._hang_found and self.exit_on_hang and self._thread is not None:
             self._thread.join()
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._let_the_watchdog_exit()

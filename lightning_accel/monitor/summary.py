@@ -13,6 +13,8 @@ from lightning_accel.monitor.cost import Pricing
 from lightning_accel.monitor.ledger import BUCKETS
 from lightning_accel.monitor.membership import Change
 
+__all__ = ["format_value", "goodput_rows", "print_summary"]
+
 log = logging.getLogger(__name__)
 
 

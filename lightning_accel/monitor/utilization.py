@@ -9,9 +9,12 @@ from typing import Any
 import psutil
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter, run_label
 from lightning_accel.monitor.summary import print_summary
+
+__all__ = ["GPU_KEYS", "HOST_KEYS", "METRIC_KEYS", "UtilizationMonitor", "nvml_handle"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,7 @@ class UtilizationMonitor(Callback):
         self._next_sample = 0.0
         self._process = psutil.Process()
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.nvml is not None:
             return
@@ -131,6 +135,7 @@ class UtilizationMonitor(Callback):
             self.exporter.start(trainer.local_rank)  # a busy port fails here, not mid-run
         psutil.cpu_percent(interval=None)  # first call primes the counter; it always returns 0.0
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.exporter is not None:
             self.exporter.follow_run(run_label(trainer))  # the checkpoint's run id is loaded by now
@@ -148,6 +153,7 @@ class UtilizationMonitor(Callback):
             metrics.update(self.nvml.read())
         return metrics
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -167,10 +173,12 @@ class UtilizationMonitor(Callback):
         if self.exporter is not None:
             self.exporter.publish(self.last, rank=trainer.global_rank, local_rank=trainer.local_rank)
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.summary and trainer.is_global_zero and self.peaks:
             print_summary("lightning-accel utilization (peaks)", self.peaks)
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._owns_exporter and self.exporter is not None:
             self.exporter.close()

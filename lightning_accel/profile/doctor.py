@@ -28,6 +28,8 @@ from lightning_accel.profile.rules import INPUT_SHARE, RULES, Finding, RunFacts,
 from lightning_accel.profile.torch_profiler import SUMMARY_FILE
 from lightning_accel.storage import download_dir, download_tree, filesystem, is_remote, parse_json_object, redact
 
+__all__ = ["diagnose", "load_run", "report"]
+
 log = logging.getLogger(__name__)
 
 

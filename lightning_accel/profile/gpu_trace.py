@@ -12,6 +12,8 @@ from typing import Any
 
 from lightning_accel.extras import pip_install
 
+__all__ = ["hta_breakdown"]
+
 log = logging.getLogger(__name__)
 
 

@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch.profilers import Profiler
+from typing_extensions import override
 
 from lightning_accel.monitor.forwarding import ForwardingProfiler
 from lightning_accel.phases import phase_of
+
+__all__ = ["PHASES", "PhaseRanges"]
 
 # The phases of the shared table (lightning_accel.phases) that get a named range: the parts of a step, and saves.
 PHASES = ("data", "transfer", "forward", "backward", "optimizer", "checkpoint")
@@ -28,6 +31,7 @@ class PhaseRanges(ForwardingProfiler):
         self.nvtx = nvtx
         self._open: dict[str, list[Any]] = {}
 
+    @override
     def start(self, action_name: str) -> None:
         phase = phase_of(action_name)
         if phase in PHASES:
@@ -38,6 +42,7 @@ class PhaseRanges(ForwardingProfiler):
             self._open.setdefault(action_name, []).append(record)
         self.inner.start(action_name)
 
+    @override
     def stop(self, action_name: str) -> None:
         self.inner.stop(action_name)
         open_ranges = self._open.get(action_name)

@@ -14,6 +14,35 @@ from typing import Any
 
 from lightning_accel.monitor.accounting import STRAGGLER_RATIO
 
+__all__ = [
+    "CHECKPOINT_SHARE",
+    "COST_SHARE",
+    "DISPATCH_S",
+    "GPU_BUSY",
+    "HOST_SHARE",
+    "INPUT_SHARE",
+    "MEMORY_HEADROOM",
+    "MODEL_PHASES",
+    "OTHER_SHARE",
+    "RULES",
+    "STEP_PHASES",
+    "VALIDATION_SHARE",
+    "Finding",
+    "RunFacts",
+    "checkpoint_rule",
+    "compute_verdict",
+    "cost_rule",
+    "host_overhead_rule",
+    "input_rule",
+    "low_utilization_rule",
+    "memory_headroom_rule",
+    "pageable_copy_rule",
+    "precision_rule",
+    "straggler_rule",
+    "sync_rule",
+    "validation_rule",
+]
+
 # Thresholds: a finding is raised above these (shares of wall time unless said otherwise).
 INPUT_SHARE = 0.10
 CHECKPOINT_SHARE = 0.05

@@ -11,11 +11,14 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from typing_extensions import override
 
 from lightning_accel.monitor.forwarding import remove_wrapper
 from lightning_accel.monitor.run_folder import run_folder
 from lightning_accel.phases import PROFILER_ACTION
 from lightning_accel.profile.ranges import PHASES, PhaseRanges
+
+__all__ = ["HOST_READS", "PAGEABLE_COPY", "SUMMARY_FILE", "SYNC_OPS", "TorchProfiler", "counts_per_phase", "summarize"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,7 @@ class TorchProfiler(Callback):
     def window(self) -> int:
         return self.wait + self.warmup + self.active
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -151,6 +155,7 @@ class TorchProfiler(Callback):
         nvtx = self.nvtx and trainer.strategy.root_device.type == "cuda"
         self._ranges = trainer.profiler = PhaseRanges(trainer.profiler, nvtx=nvtx)
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = trainer.strategy.root_device
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -173,6 +178,7 @@ class TorchProfiler(Callback):
         )
         self._prof.__enter__()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -193,6 +199,7 @@ class TorchProfiler(Callback):
             prof, self._prof = self._prof, None
             prof.__exit__(None, None, None)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._prof is not None and self._batches < self.window:
             log.warning(
@@ -206,9 +213,11 @@ class TorchProfiler(Callback):
             )
         self._stop()
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop()
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._ranges is not None:
             remove_wrapper(trainer, self._ranges)

@@ -20,6 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from typing_extensions import override
 
 from lightning_accel._compat import (
     CheckpointImpl,
@@ -28,6 +29,8 @@ from lightning_accel._compat import (
     checkpoint_wrapper,
 )
 from lightning_accel.strategies.blocks import find_block_classes, find_blocks
+
+__all__ = ["POLICIES", "ActivationCheckpointing", "Policy", "checkpoint_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class ActivationCheckpointing(Callback):
         self.policy, self.blocks = policy, list(blocks) if blocks is not None else None
         self.wrapped = 0
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or any(isinstance(m, CheckpointWrapper) for m in pl_module.modules()):
             return  # wrapped already (a second fit of the same module, or a strategy that did it)

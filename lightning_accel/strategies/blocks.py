@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+__all__ = ["children_beside_blocks", "find_block_classes", "find_blocks"]
+
 
 def find_block_classes(model: nn.Module, names: Sequence[str] | None = None) -> set[type[nn.Module]]:
     """Module classes to shard one by one: ``names`` if given, else the classes held in ``nn.ModuleList``s."""

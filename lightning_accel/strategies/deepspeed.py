@@ -18,11 +18,14 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_accel._compat import deepspeed_loads_universal
 from lightning_accel.extras import require
 from lightning_accel.strategies.deepspeed_universal import saved_data_parallel_size, universal_checkpoint_for
 from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit
+
+__all__ = ["AccelDeepSpeedStrategy", "zero3_config"]
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +82,12 @@ class AccelDeepSpeedStrategy(DeepSpeedStrategy):
     # takes itself for an already-launched rank and waits for peers forever. Seen in our test suite.
     # Only the public ``accelerator`` property is overridden, delegating storage to Lightning's.
     @property
+    @override
     def accelerator(self) -> Accelerator | None:
         return DeepSpeedStrategy.accelerator.fget(self)
 
     @accelerator.setter
+    @override
     def accelerator(self, accelerator: Accelerator | None) -> None:
         if accelerator is not None and not isinstance(accelerator, CUDAAccelerator):
             raise ValueError(
@@ -91,10 +96,12 @@ class AccelDeepSpeedStrategy(DeepSpeedStrategy):
             )
         DeepSpeedStrategy.accelerator.fset(self, accelerator)
 
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         close_gloo_process_group_at_exit()  # acts at exit only on gloo (DeepSpeed's CPU engine); see process_group.py
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward, with the loss divided by the accumulation once, not twice.
 
@@ -108,6 +115,7 @@ class AccelDeepSpeedStrategy(DeepSpeedStrategy):
             kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's load; a ZeRO checkpoint written by another number of ranks is first converted to DeepSpeed's
         universal checkpoint (by rank 0, once, inside the checkpoint folder) and loaded from it."""
@@ -134,6 +142,7 @@ class AccelDeepSpeedStrategy(DeepSpeedStrategy):
         with deepspeed_loads_universal(self.deepspeed_engine):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
+    @override
     def on_train_start(self) -> None:
         """DeepSpeed counts gradient accumulation itself, from the Trainer's at setup; a resume on another number of
         ranks (PreemptionCheckpoint) changes the Trainer's after that, so the engine follows here."""

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from torch.optim import Optimizer
 
+__all__ = ["ADAM_FAMILY", "ADAM_MOMENTS", "saved_data_parallel_size", "saved_tag", "universal_checkpoint_for"]
+
 log = logging.getLogger(__name__)
 
 LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"

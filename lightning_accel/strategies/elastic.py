@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+__all__ = ["attempt_prefix", "init_elastic_process_group", "nodes_in_this_round", "under_torchrun"]
+
 log = logging.getLogger(__name__)
 
 

@@ -22,11 +22,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
+from typing_extensions import override
 
 from lightning_accel._compat import materialize_distributed_module, optimizers_to_device, set_data_parallel_size
 from lightning_accel.strategies.activation_checkpointing import checkpoint_blocks
 from lightning_accel.strategies.blocks import children_beside_blocks, find_block_classes
 from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit, init_restart_safe_process_group
+
+__all__ = ["AccelFSDPStrategy"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +109,7 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         )
         return blocks
 
+    @override
     def setup_environment(self) -> None:
         # Pure data parallelism: every process is one shard ("auto" would give one shard per node).
         set_data_parallel_size(self, self.num_nodes * self.num_processes)
@@ -116,6 +120,7 @@ class AccelFSDPStrategy(ModelParallelStrategy):
         super().setup_distributed()
         close_gloo_process_group_at_exit()  # closes the group at exit only if it is gloo
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         # ModelParallelStrategy.setup (its digest is pinned in _compat.py), with our automatic sharding
         # in place of the configure_model() it requires.

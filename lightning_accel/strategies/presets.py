@@ -15,6 +15,8 @@ from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero3_c
 from lightning_accel.strategies.fsdp import AccelFSDPStrategy
 from lightning_accel.strategies.process_group import AccelDDPStrategy
 
+__all__ = ["PRESETS", "Preset", "check_strategy_name", "register_presets"]
+
 
 @dataclass(frozen=True)
 class Preset:

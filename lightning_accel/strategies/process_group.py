@@ -30,9 +30,17 @@ import sys
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from typing_extensions import override
 
 from lightning_accel._compat import process_group_timeout
 from lightning_accel.strategies.elastic import init_elastic_process_group
+
+__all__ = [
+    "AccelDDPStrategy",
+    "close_gloo_process_group",
+    "close_gloo_process_group_at_exit",
+    "init_restart_safe_process_group",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ class AccelDDPStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy``, plus a process group that survives torchrun's restarts and the exit hook
     above (a no-op at exit unless the group is gloo)."""
 
+    @override
     def setup_distributed(self) -> None:
         init_restart_safe_process_group(self)
         super().setup_distributed()

@@ -17,6 +17,8 @@ from typing import Any
 
 from lightning_accel.tuning.trial import TrialSettings
 
+__all__ = ["TuneConfig", "add_cli_options", "config_from_cli", "field_docs", "parse_budget"]
+
 
 @dataclass
 class TuneConfig:

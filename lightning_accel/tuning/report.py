@@ -16,6 +16,18 @@ from lightning_accel.figures import pyplot
 from lightning_accel.tuning.search import Trial, TuneResult
 from lightning_accel.tuning.space import Candidate
 
+__all__ = [
+    "STEP_ARGS",
+    "plot",
+    "print_report",
+    "trial_line",
+    "trial_table",
+    "tuned_config",
+    "wide_console",
+    "write_json",
+    "write_tuned_yaml",
+]
+
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)

@@ -35,6 +35,18 @@ from lightning_accel.tuning.space import (
 )
 from lightning_accel.tuning.trial import DATA_KNOBS, TrialResult, data_knob_holders
 
+__all__ = [
+    "BATCH_STOP_NOISE",
+    "FIRST_COMPILE_S",
+    "RESERVE_S",
+    "WALL_MARGIN",
+    "Search",
+    "Trial",
+    "TuneResult",
+    "data_knobs",
+    "pickle_objects",
+]
+
 log = logging.getLogger(__name__)
 
 RESERVE_S = 3.0  # kept back from the budget for the report

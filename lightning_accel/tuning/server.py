@@ -22,6 +22,8 @@ from typing import Any
 
 from lightning_accel.tuning.trial import TrialResult, run_trial_process
 
+__all__ = ["TrialServer", "run_trial", "serve", "temporary_workdir"]
+
 
 class TrialServer:
     """A Python process that has imported torch and Lightning once and forks one child per trial.

@@ -17,6 +17,19 @@ import torch
 from lightning_accel.float8 import fp8_hardware
 from lightning_accel.host import usable_cores
 
+__all__ = [
+    "Candidate",
+    "CompileScope",
+    "DataKnobs",
+    "activation_checkpointing_candidates",
+    "batch_candidates",
+    "float8_candidates",
+    "loader_candidates",
+    "precision_compile_candidates",
+    "precisions_for",
+    "without_own_candidates",
+]
+
 CompileScope = Literal["off", "blocks", "module"]
 
 

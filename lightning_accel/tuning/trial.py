@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import Checkpoint
 from torch.utils.flop_counter import FlopCounterMode
+from typing_extensions import override
 
 from lightning_accel.compile import TorchCompile
 from lightning_accel.float8 import Float8Training
@@ -31,6 +32,8 @@ from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.recipe import AccelTrainer, build_cli
 from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
 from lightning_accel.strategies.blocks import find_blocks
+
+__all__ = ["DATA_KNOBS", "TrialProbe", "TrialResult", "TrialSettings", "data_knob_holders", "run_trial_process"]
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +106,12 @@ class TrialProbe(Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
 
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
+    @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.batches == 0 and self.count_flops:
             self._counter = FlopCounterMode(display=False)
@@ -115,6 +120,7 @@ class TrialProbe(Callback):
             self._sync(pl_module)
             self.start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
