@@ -44,10 +44,12 @@ __all__ = [
     "FIT_LOOP_BATCH_PROGRESS",
     "LIGHTNING_MODULE_ACTION_PREFIX",
     "MODEL_PARALLEL_SETUP_DIGEST",
+    "NEWEST_TORCH_CHECKED",
     "PRECISION_ALIASES",
     "PRECISION_STRINGS",
     "RICH_AVAILABLE",
     "SAVE_CHECKPOINT_ACTION",
+    "SHARED_RENDEZVOUS_STORE_LOSES_JOINERS",
     "STRATEGY_ACTION_PREFIX",
     "TRAINING_BATCH_ACTION",
     "TRAIN_FETCH_ACTION",
@@ -96,6 +98,15 @@ optimizers_to_device = _optimizers_to_device
 # ``AccelFSDPStrategy.setup`` mirrors. A Lightning release that changes that method fails
 # tests/test_compat.py: compare the two and update ours before updating this digest.
 MODEL_PARALLEL_SETUP_DIGEST = "fdf402066d49c198"
+
+# -- torch behaviour we work around ----------------------------------------------------------------------------------
+# Each flag says whether this torch has a flaw we work around: the versions it was seen on, and the first version
+# assumed fixed. None is fixed in a torch we support yet (up to NEWEST_TORCH_CHECKED), so each bound is the next minor
+# release: tests/test_compat.py fails once torch reaches it, and the workaround is then checked again, not carried on.
+NEWEST_TORCH_CHECKED = "2.14.1"
+# torchrun's shared rendezvous store (the default since 2.4) gives a node that joins a running elastic job no address
+# for the workers' store: the nodes already there never publish it again, so the join times out. Seen on 2.13.0.
+SHARED_RENDEZVOUS_STORE_LOSES_JOINERS = torch.torch_version.TorchVersion(torch.__version__) < "2.15"
 
 
 @contextmanager

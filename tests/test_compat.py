@@ -297,3 +297,19 @@ def test_deepspeed_still_reads_the_universal_flag_and_accumulation_where_we_set_
         assert f"args.{option}" in converter, option
     assert "args.strict" in converter and "args.inject_missing_state" in converter
     assert "latest_file = os.path.join(checkpoint_root_folder, 'latest_universal')" in converter
+
+
+def test_torch_workarounds_are_checked_again_when_torch_reaches_their_bound():
+    """Each torch workaround in _compat applies below the first version assumed fixed (the next minor after the
+    newest torch checked). A torch at that bound fails here: check each flaw again, then raise the bounds (or drop
+    the workaround) and NEWEST_TORCH_CHECKED."""
+    from torch.torch_version import TorchVersion
+
+    from lightning_accel import _compat
+
+    version = TorchVersion(torch.__version__)
+    assert version < "2.15", (
+        f"torch {torch.__version__} is past {_compat.NEWEST_TORCH_CHECKED}, the newest the workarounds in "
+        "lightning_accel/_compat.py were checked on (SHARED_RENDEZVOUS_STORE_LOSES_JOINERS): check them again"
+    )
+    assert _compat.SHARED_RENDEZVOUS_STORE_LOSES_JOINERS

@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+from lightning_accel._compat import SHARED_RENDEZVOUS_STORE_LOSES_JOINERS
 from lightning_accel.checkpoint import PREEMPTED_EXIT_CODE
 
 __all__ = ["SUBCOMMANDS", "USAGE", "exit_launcher", "torchrun"]
@@ -46,10 +47,10 @@ def torchrun(argv: list[str]) -> int:
         print(f"{USAGE}\nerror: no subcommand ({', '.join(SUBCOMMANDS)}) in {' '.join(argv) or 'the arguments'}")
         return 2
     args = get_args_parser().parse_args([*argv[:split], "--module", "lightning_accel.cli", *argv[split:]])
-    if ":" in str(args.nnodes) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
-        # torch 2.13's shared rendezvous store gives a node that joins a running elastic job no address for the
-        # workers' store (the nodes already there never publish it again), so the join times out; a store per round
-        # does not have that flaw.
+    elastic = ":" in str(args.nnodes)
+    if elastic and SHARED_RENDEZVOUS_STORE_LOSES_JOINERS and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        # a node joining a running elastic job gets no store address from the shared rendezvous store (the flag's
+        # note in _compat: the versions it applies to); a store per round does not have that flaw
         log.info(
             "elastic job (--nnodes %s): one rendezvous store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)",
             args.nnodes,
