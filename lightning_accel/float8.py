@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel.blocks import find_blocks
 from lightning_accel.extras import MissingExtra, available, pip_install
 
 __all__ = [
@@ -62,13 +63,9 @@ def fp8_hardware() -> str | None:
 
 
 def _in_blocks(module: nn.Module) -> set[str]:
-    """Names of the modules inside the model's repeated blocks (the children of its ``nn.ModuleList``s)."""
-    roots = [
-        f"{name}.{i}" if name else str(i)
-        for name, m in module.named_modules()
-        if isinstance(m, nn.ModuleList)
-        for i in range(len(m))
-    ]
+    """Names of the modules inside the model's repeated blocks (:func:`~lightning_accel.blocks.find_blocks`)."""
+    blocks = {id(b) for b in find_blocks(module)}
+    roots = [name for name, m in module.named_modules() if id(m) in blocks]
     return {name for name, _ in module.named_modules() if any(name.startswith(r + ".") for r in roots)}
 
 

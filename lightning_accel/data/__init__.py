@@ -31,5 +31,7 @@ def __getattr__(name: str) -> Any:
         require("dali", f"lightning_accel.data.{name}")  # before DALI's import fails deep inside ours
         from lightning_accel.data import dali, dali_loader
 
-        return getattr(dali_loader, name, None) or getattr(dali, name)
+        value = getattr(dali_loader, name, None) or getattr(dali, name)
+        globals()[name] = value  # found here from now on: no second check or lookup
+        return value
     raise AttributeError(f"module 'lightning_accel.data' has no attribute {name!r}")

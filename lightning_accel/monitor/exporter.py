@@ -89,6 +89,12 @@ class PrometheusExporter:
         if self.given_run is None:
             self.run = run
 
+    def follow_fit(self, trainer: Any) -> None:
+        """Label what follows with the fit's run id (:func:`run_label`; every rank calls this at train start, once
+        the checkpoint's run id is loaded), unless the exporter was given one."""
+        if self.given_run is None:
+            self.run = run_label(trainer)
+
     def publish(self, metrics: Mapping[str, float], rank: int = 0, local_rank: int = 0) -> None:
         """Set one gauge per metric, labelled ``run``, ``host`` and ``rank``; starts the server on first use."""
         self.start(local_rank)
@@ -109,9 +115,7 @@ class PrometheusExporter:
         """Stop serving: now, or after ``linger_s`` seconds (a non-daemon timer: the process lives until then)."""
         atexit.unregister(self._linger_at_exit)
         if self._server is not None and self.linger_s > 0:
-            log.info(
-                "Prometheus: serving the final values %g s more on port %s (linger_s)", self.linger_s, self.bound_port
-            )
+            self._say_lingering()
             self._lingering = (threading.Timer(self.linger_s, _stop_server, args=(self._server,)), self._server)
             self._lingering[0].start()
         elif self._server is not None:
@@ -119,11 +123,12 @@ class PrometheusExporter:
         self._server, self.bound_port = None, None
         self._gauges.clear()
 
+    def _say_lingering(self) -> None:
+        log.info("Prometheus: serving the final values %g s more on port %s (linger_s)", self.linger_s, self.bound_port)
+
     def _linger_at_exit(self) -> None:
         if self._server is not None:
-            log.info(
-                "Prometheus: serving the final values %g s more on port %s (linger_s)", self.linger_s, self.bound_port
-            )
+            self._say_lingering()
             time.sleep(self.linger_s)
             _stop_server(self._server)
             self._server = None

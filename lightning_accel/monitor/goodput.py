@@ -24,7 +24,7 @@ from lightning_accel.checkpoint.resumed_run import nothing_left_to_train
 from lightning_accel.monitor.accounting import METRIC_KEYS, GoodputAccounting, Mark
 from lightning_accel.monitor.batches import default_batch_size, default_tokens
 from lightning_accel.monitor.cost import Pricing, cost_figures
-from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter, run_label
+from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
 from lightning_accel.monitor.forwarding import remove_wrapper
 from lightning_accel.monitor.ledger import BUCKETS, Ledger, LedgerProfiler
 from lightning_accel.monitor.membership import MembershipLog
@@ -205,7 +205,7 @@ class GoodputMonitor(Callback):
             self._finished_before = True  # the same command again after the run finished: no attempt, no restart
             return
         if self.exporter is not None:
-            self.exporter.follow_run(run_label(trainer))  # the checkpoint's run id is loaded by now
+            self.exporter.follow_fit(trainer)
         self._run_dir = chosen_run_folder(trainer)  # None: nothing saved and nothing logged, no files
         self._hosts = gather_from_ranks(socket.gethostname())
         start = trainer.global_step

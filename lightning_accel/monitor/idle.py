@@ -21,7 +21,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter, run_label
+from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
 
 __all__ = ["IDLE_KEYS", "Command", "IdleMonitor"]
 
@@ -84,7 +84,7 @@ class IdleMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.exporter is not None:
-            self.exporter.follow_run(run_label(trainer))  # the checkpoint's run id is loaded by now
+            self.exporter.follow_fit(trainer)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:

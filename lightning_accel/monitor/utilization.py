@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter, run_label
+from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
 from lightning_accel.monitor.summary import print_summary
 
 __all__ = ["GPU_KEYS", "HOST_KEYS", "METRIC_KEYS", "UtilizationMonitor", "nvml_handle"]
@@ -138,7 +138,7 @@ class UtilizationMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.exporter is not None:
-            self.exporter.follow_run(run_label(trainer))  # the checkpoint's run id is loaded by now
+            self.exporter.follow_fit(trainer)
 
     def sample(self) -> dict[str, float]:
         """Read all metrics now."""

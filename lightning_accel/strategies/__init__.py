@@ -1,7 +1,7 @@
 """DDP, DeepSpeed ZeRO and FSDP2 presets, registered as Lightning strategy strings."""
 
+from lightning_accel.blocks import find_block_classes
 from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing, checkpoint_blocks
-from lightning_accel.strategies.blocks import find_block_classes
 from lightning_accel.strategies.deepspeed import AccelDeepSpeedStrategy, zero3_config
 from lightning_accel.strategies.fsdp import AccelFSDPStrategy
 from lightning_accel.strategies.presets import PRESETS, Preset, check_strategy_name, register_presets

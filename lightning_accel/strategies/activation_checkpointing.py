@@ -28,7 +28,7 @@ from lightning_accel._compat import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from lightning_accel.strategies.blocks import find_block_classes, find_blocks
+from lightning_accel.blocks import find_block_classes, find_blocks
 
 __all__ = ["POLICIES", "ActivationCheckpointing", "Policy", "checkpoint_blocks"]
 

@@ -25,8 +25,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolic
 from typing_extensions import override
 
 from lightning_accel._compat import materialize_distributed_module, optimizers_to_device, set_data_parallel_size
+from lightning_accel.blocks import children_beside_blocks, find_block_classes
 from lightning_accel.strategies.activation_checkpointing import checkpoint_blocks
-from lightning_accel.strategies.blocks import children_beside_blocks, find_block_classes
 from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit, init_restart_safe_process_group
 
 __all__ = ["AccelFSDPStrategy"]

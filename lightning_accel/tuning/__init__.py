@@ -20,11 +20,11 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from lightning_accel.blocks import find_blocks
 from lightning_accel.compile import TorchCompile
 from lightning_accel.float8 import Float8Training
 from lightning_accel.recipe import AccelTrainer, build_cli
 from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
-from lightning_accel.strategies.blocks import find_blocks
 from lightning_accel.tuning.config import TuneConfig, parse_budget
 from lightning_accel.tuning.report import plot, print_report, trial_line, wide_console, write_json, write_tuned_yaml
 from lightning_accel.tuning.search import Search, Trial, TuneResult, data_knobs, pickle_objects

@@ -25,13 +25,13 @@ from lightning.pytorch.callbacks import Checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
+from lightning_accel.blocks import find_blocks
 from lightning_accel.compile import TorchCompile
 from lightning_accel.float8 import Float8Training
 from lightning_accel.monitor.batches import default_batch_size
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.recipe import AccelTrainer, build_cli
 from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
-from lightning_accel.strategies.blocks import find_blocks
 
 __all__ = ["DATA_KNOBS", "TrialProbe", "TrialResult", "TrialSettings", "data_knob_holders", "run_trial_process"]
 

@@ -170,7 +170,7 @@ def test_fsdp_block_detection():
 def test_fsdp_shards_the_children_a_training_step_may_call_beside_the_blocks():
     """A module whose training_step calls self.net(x) never runs the root's hooks: its direct children holding
     parameters become units. Containers and children sharing a tied weight stay with the root."""
-    from lightning_accel.strategies.blocks import children_beside_blocks
+    from lightning_accel.blocks import children_beside_blocks
 
     class Model(nn.Module):
         def __init__(self) -> None:
