@@ -20,6 +20,7 @@ from lightning_accel.monitor.membership import MEMBERSHIP_KEYS
 
 __all__ = [
     "GOODPUT_KEYS",
+    "INPUT_BOUND_SHARE",
     "METRIC_KEYS",
     "STRAGGLER_MADS",
     "STRAGGLER_MIN_EXCESS_S",
@@ -54,6 +55,10 @@ GOODPUT_KEYS = (
     "goodput/presync_step_s",
 )
 METRIC_KEYS = THROUGHPUT_KEYS + GOODPUT_KEYS + MEMBERSHIP_KEYS + COST_KEYS  # everything GoodputMonitor logs and exports
+# A run is input bound when more than this share of its time (the ledger's `data` bucket over the whole run) waits
+# for the train loader: GoodputMonitor's warning at the end of training and the doctor's input finding use this one
+# number on the same share, so they agree.
+INPUT_BOUND_SHARE = 0.10
 STRAGGLER_WINDOW = 8  # logging intervals each rank's step time is the median of
 STRAGGLER_RATIO = 1.2  # a rank is a straggler from this ratio of its step time to the other ranks' median ...
 STRAGGLER_MADS = 3.0  # ... when its excess is also above this many (scaled) MADs of theirs: not their own noise

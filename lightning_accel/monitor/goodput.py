@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_accel._compat import wrap_validation_runs
 from lightning_accel.checkpoint.resumed_run import nothing_left_to_train
-from lightning_accel.monitor.accounting import METRIC_KEYS, GoodputAccounting, Mark
+from lightning_accel.monitor.accounting import INPUT_BOUND_SHARE, METRIC_KEYS, GoodputAccounting, Mark
 from lightning_accel.monitor.batches import default_batch_size, default_tokens
 from lightning_accel.monitor.cost import Pricing, cost_figures
 from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
@@ -61,7 +61,8 @@ class GoodputMonitor(Callback):
         batch_size_fn: ``batch -> samples``; default: leading dimension of the first tensor.
         tokens_fn: ``batch -> tokens``; default: ``numel`` of the first tensor if it holds 2-D integer ids.
         flops_per_batch: FLOPs of one training micro-batch per device; ``None`` counts them on the first one.
-        data_wait_warn: Warn once when the data share of training time passes this fraction.
+        data_wait_warn: Warn once, at the end of training, when the run waited for the train loader more than this
+            share of its time (the doctor's input threshold: they agree).
         run_dir: Folder for the progress file and ``goodput.png``; default: the run's one folder
             (``monitor/run_folder.py``: the checkpoint callback's folder, for a bucket its staging folder, else the
             logger's ``trainer.log_dir``); with neither, no files are written.
@@ -85,7 +86,7 @@ class GoodputMonitor(Callback):
         batch_size_fn: Callable[[Any], int] | None = None,
         tokens_fn: Callable[[Any], int | None] | None = None,
         flops_per_batch: float | None = None,
-        data_wait_warn: float = 0.10,
+        data_wait_warn: float = INPUT_BOUND_SHARE,
         run_dir: str | Path | None = None,
         progress_every_n_seconds: float = 1.0,
         prometheus: PrometheusExporter | int | None = None,
@@ -124,7 +125,6 @@ class GoodputMonitor(Callback):
         self._last_progress = 0.0
         self._warm: Mark | None = None
         self._last_log: Mark | None = None
-        self._warned = False
         self._counter: FlopCounterMode | None = None
         self._wrapper: LedgerProfiler | None = None
         self._undo_validation_timing: Callable[[], None] | None = None
@@ -288,14 +288,6 @@ class GoodputMonitor(Callback):
         metrics.update(self.accounting.goodput())
         metrics.update(self.membership.metrics())
         metrics.update(self._costs(trainer, metrics))
-        share = metrics.get("throughput/data_wait_share", 0.0)
-        if not self._warned and share > self.data_wait_warn and mark.steps > self.warmup_steps:
-            self._warned = True
-            rank_zero_warn(
-                f"Input pipeline bound: {share:.0%} of training time is spent inside the train loader's next() "
-                f"(threshold {self.data_wait_warn:.0%}). Raise num_workers, use pin_memory, or decode and augment "
-                "with DALI (lightning_accel.data.DALIImageDataModule)."
-            )
         self._publish(trainer, metrics)
 
     def _costs(self, trainer: Trainer, goodput: dict[str, float]) -> dict[str, float]:
@@ -364,6 +356,17 @@ class GoodputMonitor(Callback):
             return
         self._finish(trainer)
         self._publish(trainer, self.results)  # before Lightning tears the loggers down
+        self._warn_if_input_bound()
+
+    def _warn_if_input_bound(self) -> None:
+        """Once, at the end of training, on the whole run's data share: what the doctor's input finding judges."""
+        share = float(self.results.get("goodput/data_share", 0.0))
+        if share > self.data_wait_warn:
+            rank_zero_warn(
+                f"Input pipeline bound: {share:.0%} of the run waited for the train loader (threshold "
+                f"{self.data_wait_warn:.0%}, the doctor's too). Raise num_workers, use pin_memory, or decode and "
+                "augment with DALI (lightning_accel.DALIImageDataModule); `lightning-accel doctor` names the fix."
+            )
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from lightning_accel.monitor.accounting import STRAGGLER_RATIO
+from lightning_accel.monitor.accounting import INPUT_BOUND_SHARE, STRAGGLER_RATIO
 
 __all__ = [
     "CHECKPOINT_SHARE",
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 # Thresholds: a finding is raised above these (shares of wall time unless said otherwise).
-INPUT_SHARE = 0.10
+INPUT_SHARE = INPUT_BOUND_SHARE  # GoodputMonitor's input-bound warning uses the same share and threshold
 CHECKPOINT_SHARE = 0.05
 VALIDATION_SHARE = 0.15
 OTHER_SHARE = 0.20

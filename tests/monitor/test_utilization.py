@@ -104,12 +104,32 @@ class SlowDataModule(SyntheticClassificationDataModule):
         self.train_set = SlowDataset()
 
 
-def test_slow_input_pipeline_is_detected(tmp_path):
+def test_slow_input_pipeline_is_detected_once_and_the_doctor_agrees(tmp_path):
+    """The warning judges what the doctor's input rule judges (the whole run's data share, one threshold): a slow
+    loader gets both, once; a fast one neither."""
+    import warnings
+
+    from lightning_accel.profile.rules import RunFacts, input_rule
+
     cb = GoodputMonitor(every_n_steps=2, summary=False, warmup_steps=1, plot=False)
-    with pytest.warns(UserWarning, match="Input pipeline bound"):
+    with pytest.warns(UserWarning, match=r"Input pipeline bound: \d+% of the run waited") as said:
         fit(tmp_path, MLPClassifier(input_dim=16), SlowDataModule(batch_size=4, input_dim=16), [cb], max_steps=10)
+    assert len([w for w in said if "Input pipeline bound" in str(w.message)]) == 1
     # each batch sleeps 4 x 25 ms; the step itself takes a few ms, so even a loaded machine stays above half
     assert cb.results["throughput/data_wait_share"] > 0.5
+    assert input_rule(RunFacts(cb.results, {})) is not None
+    fast = GoodputMonitor(every_n_steps=2, summary=False, warmup_steps=1, plot=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fit(
+            tmp_path / "fast",
+            MLPClassifier(input_dim=16),
+            SyntheticClassificationDataModule(batch_size=4, input_dim=16),
+            [fast],
+            max_steps=10,
+        )
+    quiet = not any("Input pipeline bound" in str(w.message) for w in said)
+    assert quiet == (input_rule(RunFacts(fast.results, {})) is None)  # whatever this machine measured, they agree
 
 
 def test_dense_gpu_peaks_by_reported_name():

@@ -18,6 +18,7 @@ import lightning_accel as la
 from lightning_accel.phases import phase_of
 from lightning_accel.profile import Finding, diagnose, load_run
 from lightning_accel.profile.gpu_trace import hta_breakdown
+from lightning_accel.profile.rules import HOST_SHARE
 from tests.conftest import requires_cuda, tiny_trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,7 +211,10 @@ class Heavy(BoringModel):
 def test_tiny_model_at_batch_one_is_host_overhead_and_a_heavy_one_is_compute(tmp_path):
     host = profiled_fit(tmp_path / "tiny", TinyMLP())
     assert host[0].kind == "host_overhead", host
-    assert host[0].evidence["step_ops_per_step"] > 50 and "TorchCompile" in host[0].fix
+    assert host[0].evidence["step_ops_per_step"] > 50
+    # the fix follows the evidence: many ops for a short step name compile; on a loaded machine the step is longer
+    # and the same ops a smaller share of it (the rule's arithmetic, tested exactly in test_rules_*)
+    assert ("TorchCompile" in host[0].fix) == (host[0].evidence["est_dispatch_share"] > HOST_SHARE), host[0]
     heavy = profiled_fit(tmp_path / "heavy", Heavy(), steps=10, active=4)
     assert heavy[0].kind == "compute", heavy
     assert all(f.share <= 0.10 for f in heavy[1:]), heavy  # nothing else over its threshold
