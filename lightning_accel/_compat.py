@@ -7,6 +7,7 @@ renames or changes one fails that test by name instead of breaking a training ru
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -68,6 +69,7 @@ __all__ = [
     "nccl_flight_recorder_dump",
     "optimizers_to_device",
     "process_group_timeout",
+    "quiet_known_deprecations",
     "rescale_train_batches",
     "run_due_validation",
     "running_epoch_results",
@@ -107,6 +109,15 @@ NEWEST_TORCH_CHECKED = "2.14.1"
 # torchrun's shared rendezvous store (the default since 2.4) gives a node that joins a running elastic job no address
 # for the workers' store: the nodes already there never publish it again, so the join times out. Seen on 2.13.0.
 SHARED_RENDEZVOUS_STORE_LOSES_JOINERS = torch.torch_version.TorchVersion(torch.__version__) < "2.15"
+
+
+def quiet_known_deprecations() -> None:
+    """Silence deprecation warnings our dependencies raise at each other, which nothing on the user's side fixes:
+    Lightning 2.6's own ``_pytree`` still builds torch's ``LeafSpec``, deprecated in torch 2.13 (a FutureWarning at
+    every fit). For our CLI's output; tests/test_compat.py fails once torch stops raising it, so this goes then."""
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
 
 
 @contextmanager

@@ -14,21 +14,72 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
+from rich.table import Table
 from typing_extensions import override
 
 from lightning_accel._compat import RICH_AVAILABLE, PrecisionInput, StepsProgressBar
 from lightning_accel.checkpoint import PreemptionCheckpoint, find_resume_checkpoint, verify
+from lightning_accel.monitor.summary import wide_console
 from lightning_accel.precision import auto_precision
 from lightning_accel.strategies import check_strategy_name, init_restart_safe_process_group
 from lightning_accel.strategies.elastic import nodes_in_this_round
 
-__all__ = ["AccelArgumentParser", "AccelCLI", "AccelTrainer", "build_cli", "one_line_error"]
+__all__ = ["AccelArgumentParser", "AccelCLI", "AccelTrainer", "CountedModelSummary", "build_cli", "one_line_error"]
 
 log = logging.getLogger(__name__)
+
+
+class CountedModelSummary(RichModelSummary):
+    """Lightning's model summary, less its FLOPs column and total where it has nothing to show.
+
+    Lightning counts FLOPs only for a module with ``example_input_array``; without one every row reads 0 and the
+    total "Total FLOPs: 0", a few lines above the MFU GoodputMonitor measured. Here the FLOPs column and total are
+    left out in that case, and a line says where the measured FLOPs are.
+    """
+
+    @staticmethod
+    @override
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        if total_flops:
+            RichModelSummary.summarize(
+                summary_data,
+                total_parameters,
+                trainable_parameters,
+                model_size,
+                total_training_modes,
+                total_flops,
+                **summarize_kwargs,
+            )
+            return
+        console = wide_console()
+        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        for name, _ in columns:
+            table.add_column(name or " ", justify="right" if name in ("Params", "Params per Device") else "left")
+        for row in zip(*(values for _, values in columns), strict=True):
+            table.add_row(*row)
+        console.print(table)
+        frozen = total_parameters - trainable_parameters
+        console.print(
+            f"Trainable params: {get_human_readable_count(trainable_parameters)}, non-trainable: "
+            f"{get_human_readable_count(frozen)}, total: {get_human_readable_count(total_parameters)} "
+            f"({get_formatted_model_size(model_size)} MB); modules in train mode: {total_training_modes['train']}, "
+            f"in eval mode: {total_training_modes['eval']}. FLOPs: measured per batch by GoodputMonitor "
+            "(tflops_per_sec_per_device, mfu)"
+        )
 
 
 class AccelTrainer(Trainer):
@@ -59,7 +110,11 @@ class AccelTrainer(Trainer):
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         wants_bar = kwargs.get("enable_progress_bar", True) is not False
         if wants_bar and RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
-            kwargs["callbacks"] = [*callbacks, StepsProgressBar()]  # Lightning's default bar, without "Epoch 0/-2"
+            callbacks = [*callbacks, StepsProgressBar()]  # Lightning's default bar, without "Epoch 0/-2"
+        wants_summary = kwargs.get("enable_model_summary", True) is not False
+        if wants_summary and RICH_AVAILABLE and not any(isinstance(c, ModelSummary) for c in callbacks):
+            callbacks = [*callbacks, CountedModelSummary()]  # no column of zeros where no FLOPs were counted
+        kwargs["callbacks"] = callbacks
         super().__init__(*args, precision=precision, **kwargs)
 
     @override

@@ -255,3 +255,30 @@ def test_fit_help_documents_ckpt_path_auto(capsys):
     out = " ".join(capsys.readouterr().out.split())  # the help's line breaks fall anywhere
     assert exit_info.value.code == 0
     assert "``auto`` (lightning-accel's CLI): the newest valid checkpoint in the PreemptionCheckpoint folder" in out
+
+
+def test_the_model_summary_leaves_out_flops_it_did_not_count(tmp_path, capsys):
+    """AccelTrainer's model summary: without example_input_array Lightning counts no FLOPs, and the table has no
+    column of zeros nor a "Total FLOPs: 0" (a line says where the measured FLOPs are); with one, Lightning's own
+    table and total are shown."""
+    import torch
+
+    from lightning_accel.demos import MLPClassifier, SyntheticClassificationDataModule
+    from lightning_accel.recipe import AccelTrainer
+
+    def summary_of(model) -> str:
+        trainer = AccelTrainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            limit_val_batches=0, default_root_dir=tmp_path,
+        )  # fmt: skip
+        capsys.readouterr()
+        trainer.fit(model, datamodule=SyntheticClassificationDataModule(num_samples=32, input_dim=8, batch_size=8))
+        return capsys.readouterr().out
+
+    plain = summary_of(MLPClassifier(input_dim=8))
+    assert "Trainable params" in plain and "FLOPs: measured per batch by GoodputMonitor" in plain
+    assert "Total FLOPs" not in plain and "FLOPs │" not in plain and "FLOPs ┃" not in plain
+    with_input = MLPClassifier(input_dim=8)
+    with_input.example_input_array = torch.zeros(2, 8)
+    counted = summary_of(with_input)
+    assert "Total FLOPs" in counted and "Total FLOPs: 0" not in counted

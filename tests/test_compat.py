@@ -313,3 +313,23 @@ def test_torch_workarounds_are_checked_again_when_torch_reaches_their_bound():
         "lightning_accel/_compat.py were checked on (SHARED_RENDEZVOUS_STORE_LOSES_JOINERS): check them again"
     )
     assert _compat.SHARED_RENDEZVOUS_STORE_LOSES_JOINERS
+
+
+def test_the_deprecation_our_cli_silences_is_still_raised_and_silenced():
+    """Lightning's _pytree builds torch's deprecated LeafSpec at every fit: torch still warns (once it stops, drop
+    quiet_known_deprecations), and after quiet_known_deprecations() the CLI's output does not show it."""
+    import warnings
+
+    from torch.utils._pytree import LeafSpec  # (what Lightning's _pytree builds)
+
+    from lightning_accel._compat import quiet_known_deprecations
+
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        LeafSpec()
+    assert any("`isinstance(treespec, LeafSpec)` is deprecated" in str(w.message) for w in raised)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        quiet_known_deprecations()
+        LeafSpec()
+    assert not raised

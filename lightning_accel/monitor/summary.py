@@ -13,7 +13,7 @@ from lightning_accel.monitor.cost import Pricing
 from lightning_accel.monitor.ledger import BUCKETS
 from lightning_accel.monitor.membership import Change
 
-__all__ = ["format_value", "goodput_rows", "print_summary"]
+__all__ = ["format_value", "goodput_rows", "print_summary", "wide_console"]
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +24,23 @@ def format_value(value: object) -> str:
     return str(value)
 
 
+def wide_console(stderr: bool = False) -> Console:
+    """A rich console; 200 columns wide when it is a log file or a pipe (rich would wrap at 80, mid-word: with no
+    terminal width to fit, rows stay on one line)."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=200)
+
+
 def print_summary(title: str, rows: Mapping[str, object], console: Console | None = None) -> None:
-    """Log ``rows`` and print them as a two-column rich table (on rank 0 only: callers check)."""
+    """Print ``rows`` as a two-column rich table (on rank 0 only: callers check). Printed once: the log gets the
+    same values at DEBUG only, so a run's output does not show its summary twice."""
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in rows.items():
         table.add_row(key, format_value(value))
-    log.info("%s: %s", title, ", ".join(f"{k}={format_value(v)}" for k, v in rows.items()))
-    (console or Console()).print(table)
+    log.debug("%s: %s", title, ", ".join(f"{k}={format_value(v)}" for k, v in rows.items()))
+    (console or wide_console()).print(table)
 
 
 def goodput_rows(
@@ -45,7 +53,9 @@ def goodput_rows(
     rows["goodput (compute share)"] = f"{results['goodput/compute_share']:.1%}"
     for key in THROUGHPUT_KEYS:
         if key in results:
-            rows[key.split("/", 1)[1]] = results[key]
+            name = key.split("/", 1)[1]
+            # shares and MFU in percent, as the buckets above: not a raw fraction beside a percentage
+            rows[name] = f"{results[key]:.1%}" if name.endswith("_share") or name == "mfu" else results[key]
     if accounting.restarts:
         rows["restarts"] = accounting.restarts
         rows["lost steps / seconds"] = f"{accounting.lost_steps} / {accounting.lost_s:.1f} s"

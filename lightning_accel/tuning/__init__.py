@@ -23,10 +23,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from lightning_accel.blocks import find_blocks
 from lightning_accel.compile import TorchCompile
 from lightning_accel.float8 import Float8Training
+from lightning_accel.monitor.summary import wide_console
 from lightning_accel.recipe import AccelTrainer, build_cli
 from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
 from lightning_accel.tuning.config import TuneConfig, parse_budget
-from lightning_accel.tuning.report import plot, print_report, trial_line, wide_console, write_json, write_tuned_yaml
+from lightning_accel.tuning.report import plot, print_report, trial_line, write_json, write_tuned_yaml
 from lightning_accel.tuning.search import Search, Trial, TuneResult, data_knobs, pickle_objects
 from lightning_accel.tuning.server import temporary_workdir
 from lightning_accel.tuning.space import Candidate
@@ -178,7 +179,7 @@ class _Progress:
             BarColumn(),
             TextColumn("{task.description}"),
             TimeElapsedColumn(),
-            console=wide_console(),
+            console=wide_console(stderr=True),
             transient=False,
         )
         self.task = self.bar.add_task("baseline", total=self.budget_s)

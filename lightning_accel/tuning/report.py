@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_accel.figures import pyplot
+from lightning_accel.monitor.summary import wide_console
 from lightning_accel.tuning.search import Trial, TuneResult
 from lightning_accel.tuning.space import Candidate
 
@@ -23,7 +24,6 @@ __all__ = [
     "trial_line",
     "trial_table",
     "tuned_config",
-    "wide_console",
     "write_json",
     "write_tuned_yaml",
 ]
@@ -61,14 +61,8 @@ def trial_table(result: TuneResult) -> Table:
     return table
 
 
-def wide_console() -> Console:
-    """stderr; 200 columns wide when it is a log file or a pipe (no terminal width to fit: rows stay on one line)."""
-    console = Console(stderr=True)
-    return console if console.is_terminal else Console(stderr=True, width=200)
-
-
 def print_report(result: TuneResult, console: Console | None = None) -> None:
-    console = console or wide_console()
+    console = console or wide_console(stderr=True)
     console.print(trial_table(result))
     console.print(
         f"chosen: {result.best.candidate.label()}: {result.speedup:.2f}x the untuned recipe "

@@ -44,6 +44,30 @@ def test_every_series_the_dashboard_queries_is_one_the_monitors_export():
     assert {series_name(f"goodput/{b}_share") for b in ("data", "compute", "checkpoint", "other")} <= queried
 
 
+def test_the_dashboard_draws_each_bucket_in_the_pngs_colour_and_rss_on_its_own_axis():
+    """goodput.png and the dashboard agree: every panel that draws the ledger's buckets gives each the colour of
+    monitor/plot.py's COLORS; the host panel puts RSS (GiB) on a right axis of its own, not flat under CPU %."""
+    from lightning_accel.monitor.plot import COLORS
+
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    by_bucket = [p for p in panels if any(t.get("legendFormat") in COLORS for t in p.get("targets", []))]
+    assert len(by_bucket) >= 2
+    for panel in by_bucket:
+        colours = {
+            o["matcher"]["options"]: prop["value"]["fixedColor"]
+            for o in panel["fieldConfig"]["overrides"]
+            for prop in o["properties"]
+            if prop["id"] == "color"
+        }
+        drawn = {t["legendFormat"] for t in panel["targets"] if t.get("legendFormat") in COLORS}
+        assert colours == {bucket: COLORS[bucket] for bucket in drawn}, panel["title"]
+    (host,) = [p for p in panels if p.get("title") == "Host CPU (%) and process RSS (GiB)"]
+    assert host["fieldConfig"]["defaults"]["unit"] == "percent"
+    (rss,) = host["fieldConfig"]["overrides"]
+    assert rss["matcher"] == {"id": "byRegexp", "options": "RSS.*"}
+    assert {p["id"]: p["value"] for p in rss["properties"]} == {"unit": "gbytes", "custom.axisPlacement": "right"}
+
+
 def test_the_run_label_is_the_runs_id_on_every_rank_unless_one_is_given(monkeypatch):
     """The checkpoint's run id (kept across attempts) first, then LIGHTNING_ACCEL_RUN_ID or torchrun's rendezvous id,
     then rank 0's fresh id, broadcast; an exporter given a run keeps it."""
