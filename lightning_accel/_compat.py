@@ -1,8 +1,7 @@
 """Every Lightning private name lightning-accel relies on, and nowhere else (and one of torch's, one of DeepSpeed's).
 
-Lightning has no public API for these. Each is imported or read here only, and
-``tests/test_compat.py`` checks each one against the installed Lightning, so an upgrade that
-renames or changes one fails that test by name instead of breaking a training run later.
+Lightning has no public API for these. Each is imported or read here only, and ``tests/test_compat.py`` checks each
+against the installed version, so an upgrade that renames or changes one fails that test by name, not a run later.
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ __all__ = [
     "set_data_parallel_size",
     "set_handler_after_fit",
     "set_train_batches_done",
+    "stop_progress_bar",
     "train_batches_in_checkpoint",
     "validation_due_after_this_batch",
     "wrap_validation_runs",
@@ -282,6 +282,14 @@ def run_due_validation(trainer: Trainer) -> None:
     trainer.training = True
     trainer._logger_connector._first_loop_iter = first_loop_iter
     loop.update_lr_schedulers("step", update_plateau_schedulers=True)
+
+
+def stop_progress_bar(trainer: Trainer) -> None:
+    """Draw the rich progress bar's last frame now (Lightning does at teardown, after every callback's on_fit_end):
+    a summary printed next comes after the bar, not above it. Stopping twice is harmless."""
+    bar = trainer.progress_bar_callback
+    if isinstance(bar, RichProgressBar):
+        bar._stop_progress()
 
 
 class StepsProgressBar(RichProgressBar):

@@ -74,8 +74,8 @@ class CountedModelSummary(RichModelSummary):
         console.print(table)
         frozen = total_parameters - trainable_parameters
         console.print(
-            f"Trainable params: {get_human_readable_count(trainable_parameters)}, non-trainable: "
-            f"{get_human_readable_count(frozen)}, total: {get_human_readable_count(total_parameters)} "
+            f"Trainable params: {get_human_readable_count(trainable_parameters).strip()}, non-trainable: "
+            f"{get_human_readable_count(frozen).strip()}, total: {get_human_readable_count(total_parameters).strip()} "
             f"({get_formatted_model_size(model_size)} MB); modules in train mode: {total_training_modes['train']}, "
             f"in eval mode: {total_training_modes['eval']}. FLOPs: measured per batch by GoodputMonitor "
             "(tflops_per_sec_per_device, mfu)"
@@ -114,6 +114,7 @@ class AccelTrainer(Trainer):
         wants_summary = kwargs.get("enable_model_summary", True) is not False
         if wants_summary and RICH_AVAILABLE and not any(isinstance(c, ModelSummary) for c in callbacks):
             callbacks = [*callbacks, CountedModelSummary()]  # no column of zeros where no FLOPs were counted
+            kwargs["enable_model_summary"] = False  # ours is the summary (else Lightning logs that it adds none)
         kwargs["callbacks"] = callbacks
         super().__init__(*args, precision=precision, **kwargs)
 

@@ -31,6 +31,7 @@ __all__ = [
     "THROUGHPUT_KEYS",
     "GoodputAccounting",
     "Mark",
+    "input_bound_warning",
 ]
 
 THROUGHPUT_KEYS = (
@@ -305,3 +306,16 @@ class GoodputAccounting:
         self.carried_samples = int(state_dict.get("samples", 0))
         self.carried_tokens = int(state_dict.get("tokens") or 0)
         self.resumed = True
+
+
+def input_bound_warning(results: dict[str, float], threshold: float = INPUT_BOUND_SHARE) -> str | None:
+    """The warning for a run that waited for its train loader more than ``threshold`` of its time (the whole run's
+    data share: what the doctor's input finding judges), or ``None``."""
+    share = float(results.get("goodput/data_share", 0.0))
+    if share <= threshold:
+        return None
+    return (
+        f"Input pipeline bound: {share:.0%} of the run waited for the train loader (threshold {threshold:.0%}, the "
+        "doctor's too). Raise num_workers, use pin_memory, or decode and augment with DALI "
+        "(lightning_accel.DALIImageDataModule); `lightning-accel doctor` names the fix."
+    )

@@ -21,7 +21,13 @@ from typing_extensions import override
 
 from lightning_accel._compat import wrap_validation_runs
 from lightning_accel.checkpoint.resumed_run import nothing_left_to_train
-from lightning_accel.monitor.accounting import INPUT_BOUND_SHARE, METRIC_KEYS, GoodputAccounting, Mark
+from lightning_accel.monitor.accounting import (
+    INPUT_BOUND_SHARE,
+    METRIC_KEYS,
+    GoodputAccounting,
+    Mark,
+    input_bound_warning,
+)
 from lightning_accel.monitor.batches import default_batch_size, default_tokens
 from lightning_accel.monitor.cost import Pricing, cost_figures
 from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
@@ -356,17 +362,8 @@ class GoodputMonitor(Callback):
             return
         self._finish(trainer)
         self._publish(trainer, self.results)  # before Lightning tears the loggers down
-        self._warn_if_input_bound()
-
-    def _warn_if_input_bound(self) -> None:
-        """Once, at the end of training, on the whole run's data share: what the doctor's input finding judges."""
-        share = float(self.results.get("goodput/data_share", 0.0))
-        if share > self.data_wait_warn:
-            rank_zero_warn(
-                f"Input pipeline bound: {share:.0%} of the run waited for the train loader (threshold "
-                f"{self.data_wait_warn:.0%}, the doctor's too). Raise num_workers, use pin_memory, or decode and "
-                "augment with DALI (lightning_accel.DALIImageDataModule); `lightning-accel doctor` names the fix."
-            )
+        if (warning := input_bound_warning(self.results, self.data_wait_warn)) is not None:
+            rank_zero_warn(warning)
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -384,7 +381,7 @@ class GoodputMonitor(Callback):
                 run["membership"] = self.membership.state_dict()
             (self._run_dir / RESULTS_FILE).write_text(json.dumps({**self.results, **run}, indent=1))
         if self.summary:
-            self._print_summary()
+            self._print_summary(trainer)
         if self.plot and self._run_dir is not None:
             carried = self.accounting.carried
             bars = {"this attempt": {b: self.results[f"goodput/{b}_s"] - carried[b] for b in BUCKETS}}
@@ -398,6 +395,6 @@ class GoodputMonitor(Callback):
         self._finish(trainer)  # Preempted included: results and the progress file hold up to the stop
         self.ledger.stop()
 
-    def _print_summary(self) -> None:
+    def _print_summary(self, trainer: Trainer) -> None:
         rows = goodput_rows(self.results, self.accounting, self.pricing, self.membership.changes)
-        print_summary("lightning-accel goodput", {**rows, "peak_flops_source": self.peak_source})
+        print_summary("lightning-accel goodput", {**rows, "peak_flops_source": self.peak_source}, trainer=trainer)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from lightning_accel._compat import stop_progress_bar
 from lightning_accel.monitor.accounting import THROUGHPUT_KEYS, GoodputAccounting
 from lightning_accel.monitor.cost import Pricing
 from lightning_accel.monitor.ledger import BUCKETS
@@ -31,9 +33,12 @@ def wide_console(stderr: bool = False) -> Console:
     return console if console.is_terminal else Console(stderr=stderr, width=200)
 
 
-def print_summary(title: str, rows: Mapping[str, object], console: Console | None = None) -> None:
-    """Print ``rows`` as a two-column rich table (on rank 0 only: callers check). Printed once: the log gets the
-    same values at DEBUG only, so a run's output does not show its summary twice."""
+def print_summary(title: str, rows: Mapping[str, object], console: Console | None = None, trainer: Any = None) -> None:
+    """Print ``rows`` as a two-column rich table (on rank 0 only: callers check), below ``trainer``'s progress bar
+    (its last frame drawn first). Printed once: the log gets the same values at DEBUG only, so a run's output does
+    not show its summary twice."""
+    if trainer is not None:
+        stop_progress_bar(trainer)
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")

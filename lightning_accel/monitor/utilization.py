@@ -176,7 +176,7 @@ class UtilizationMonitor(Callback):
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.summary and trainer.is_global_zero and self.peaks:
-            print_summary("lightning-accel utilization (peaks)", self.peaks)
+            print_summary("lightning-accel utilization (peaks)", self.peaks, trainer=trainer)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
