@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks.harness import RESULTS, save_figure, write_json
 from lightning_accel.data import DALIImageDataModule
 from lightning_accel.data.dali import IMAGENET_MEAN, IMAGENET_STD, scan_image_folder
+from lightning_accel.figures import pyplot
 
 OUT = 224
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
@@ -220,10 +221,7 @@ def run(
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(result["median"])
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))

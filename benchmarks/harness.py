@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 
+from lightning_accel.figures import pyplot
 from lightning_accel.testing import quiet_trainer_kwargs
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -41,8 +42,7 @@ def write_json(name: str, result: dict[str, Any], out: Path = RESULTS) -> Path:
 
 def save_figure(fig: Any, path: Path) -> None:
     """Lay out, write and close a matplotlib figure."""
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -50,10 +50,7 @@ def save_figure(fig: Any, path: Path) -> None:
 
 def write(name: str, result: dict[str, Any], values: dict[str, float], ylabel: str, out: Path = RESULTS) -> Path:
     """Save ``result`` as ``name.json`` and a bar chart of ``values`` as ``name.png``; returns the JSON path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     path = write_json(name, result, out)
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -24,6 +24,7 @@ from typing import Any
 
 from benchmarks.harness import RESULTS, save_figure, write_json
 from benchmarks.tune_recipe import side_by_side
+from lightning_accel.figures import pyplot
 from lightning_accel.tuning import Candidate, TrialSettings, tune
 
 CPU_RECIPES = ("recipes/mlp_cpu.yaml", "recipes/tiny_gpt_cpu.yaml", "recipes/tiny_gpt_ddp_cpu.yaml")
@@ -65,10 +66,7 @@ def run_one(recipe: str, budget: str, rounds: int, measure_s: float, out: Path) 
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     # Relative to the untuned recipe: the recipes' samples/s differ 100x, so absolute bars hide two of them.
     fig, ax = plt.subplots(figsize=(8, 3.8))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, save_figure, write_json
+from lightning_accel.figures import pyplot
 from lightning_accel.tuning import Candidate, TrialSettings, tune
 from lightning_accel.tuning.server import run_trial
 
@@ -127,10 +128,7 @@ def run(config: str, budget: str, rounds: int, measure_s: float, bsf_trials: int
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     median = result["median_samples_per_sec"]
     fig, ax = plt.subplots(figsize=(7, 3.6))

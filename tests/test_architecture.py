@@ -315,3 +315,14 @@ def test_every_module_says_what_it_exports_and_every_lightning_hook_we_override_
                 if inspect.isfunction(func) and not getattr(func, "__override__", False):
                     unmarked.append(f"{cls.__module__}.{cls.__name__}.{attr}")
     assert missing_all == [] and bad_all == [] and unmarked == [], (missing_all, bad_all, unmarked)
+
+
+def test_every_png_goes_through_figures_pyplot():
+    """matplotlib is imported in figures.py only (headless Agg, lazily), by the package and the benchmarks alike."""
+    offenders = [
+        str(path.relative_to(PACKAGE.parent))
+        for folder in (PACKAGE, PACKAGE.parent / "benchmarks")
+        for path in folder.rglob("*.py")
+        if path.name != "figures.py" and re.search(r"^\s*(import|from) matplotlib", path.read_text(), re.M)
+    ]
+    assert offenders == []
