@@ -1,7 +1,8 @@
 """lightning-accel: make any LightningModule train fast and survive interruptions.
 
 Importing the package registers the strategy presets (``accel_ddp``, ``accel_zero2`` ...) in
-Lightning's ``StrategyRegistry``; it does nothing else to the process (docs/architecture.md).
+Lightning's ``StrategyRegistry`` and, as Lightning does, lets its INFO lines reach a program that configured no
+logging (``logs.py``); it does nothing else to the process (docs/architecture.md).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from lightning_accel.compile import TorchCompile
 from lightning_accel.data import ResumableDataLoader, ResumableStreamLoader
 from lightning_accel.extras import MissingExtra
 from lightning_accel.float8 import Float8Training
+from lightning_accel.logs import show_without_setup
 from lightning_accel.monitor import (
     HANG_EXIT_CODE,
     GoodputMonitor,
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from lightning_accel.tuning import tune
 
 register_presets()
+show_without_setup()  # our key lines reach a plain script, as Lightning's do (lightning_accel/logs.py)
 
 
 def __getattr__(name: str) -> Any:

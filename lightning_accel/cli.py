@@ -21,6 +21,7 @@ from pathlib import Path
 
 from lightning_accel._compat import quiet_known_deprecations
 from lightning_accel.launch import exit_launcher, fit_on_ray, newest_checkpoint, split_ray_args, torchrun
+from lightning_accel.logs import defer_to_root
 from lightning_accel.monitor import GoodputMonitor
 from lightning_accel.profile import TorchProfiler, diagnose, load_run, report
 from lightning_accel.recipe import build_cli
@@ -166,6 +167,7 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     _check_command(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    defer_to_root()  # our lines in the format above
     quiet_known_deprecations()  # dependencies' warnings at each other: noise in our output, nothing to act on
     close_gloo_process_group_at_exit()  # our program: safe for stock strategies on gloo too
     commands = {"doctor": doctor, "profile": profile, "tune": tune_command}

@@ -11,7 +11,10 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from lightning_accel.logs import defer_to_root
 from lightning_accel.testing import quiet_trainer_kwargs
+
+defer_to_root()  # our records reach pytest's handlers on the root logger (caplog), as in a program that logs
 
 # Two cores: one intra-op thread per test process keeps DDP tests from oversubscribing the machine.
 torch.set_num_threads(1)

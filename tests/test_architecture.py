@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
 
 # Floors, lowest first: a room imports only from rooms on lower floors (and from within itself).
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_compat", "extras"),  # every Lightning private name we use; which pip extra each optional feature needs
+    ("_compat", "extras", "logs"),  # every Lightning private name we use; which pip extra each feature needs; logging
     ("phases", "host", "figures", "ranks", "blocks", "storage", "contracts"),  # shared facts, storage, protocols
     ("precision", "compile", "float8", "data", "strategies", "checkpoint", "testing"),  # training is made of
     ("monitor", "demos"),  # observes training, never changes it; demo models and data, built on the floors below

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_accel.blocks import find_blocks
 from lightning_accel.compile import TorchCompile
 from lightning_accel.float8 import Float8Training
+from lightning_accel.logs import defer_to_root
 from lightning_accel.monitor.batches import default_batch_size
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.recipe import AccelTrainer, build_cli
@@ -181,6 +182,7 @@ def _build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
 def run_trial_process(spec_path: str, out_path: str) -> None:
     """Entry of the trial process: build, apply the candidate, train, write the :class:`TrialResult`."""
     logging.basicConfig(level=logging.WARNING)
+    defer_to_root()  # a trial logs warnings only
     spec = json.loads(Path(spec_path).read_text())
     result, started = TrialResult(), time.perf_counter()
     rank = 0

@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_accel import PreemptionCheckpoint, ResumableDataLoader, find_resume_checkpoint
+from lightning_accel.logs import defer_to_root
 from lightning_accel.testing import quiet_trainer_kwargs
 from tests.checkpoint.train_resumable import Progress
 
@@ -76,6 +77,7 @@ def main() -> None:
     args = p.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    defer_to_root()
     torch.set_num_threads(1)
     seed_everything(1234)
     model = BucketNet()
