@@ -32,10 +32,10 @@ from lightning_accel.monitor.batches import default_batch_size, default_tokens
 from lightning_accel.monitor.cost import Pricing, cost_figures
 from lightning_accel.monitor.exporter import PrometheusExporter, resolve_exporter
 from lightning_accel.monitor.forwarding import remove_wrapper
-from lightning_accel.monitor.ledger import BUCKETS, Ledger, LedgerProfiler
+from lightning_accel.monitor.ledger import Ledger, LedgerProfiler
 from lightning_accel.monitor.membership import MembershipLog
 from lightning_accel.monitor.peaks import peak_flops, precision_dtype
-from lightning_accel.monitor.plot import plot_ledger
+from lightning_accel.monitor.plot import ledger_bars, plot_ledger
 from lightning_accel.monitor.progress import last_progress_time, read_highest_step, steps_left, write_highest_step
 from lightning_accel.monitor.run_folder import chosen_run_folder, remote_data_source
 from lightning_accel.monitor.summary import goodput_rows, print_summary
@@ -334,10 +334,6 @@ class GoodputMonitor(Callback):
             self.accounting.straggler_intervals,
         )
 
-    def rates(self, before: Mark, after: Mark, world_size: int = 1) -> dict[str, float]:
-        """Throughput between two marks (see :meth:`GoodputAccounting.rates`)."""
-        return self.accounting.rates(before, after, world_size)
-
     def _publish(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -368,6 +364,10 @@ class GoodputMonitor(Callback):
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.ledger.stop()
+        self._report(trainer)
+
+    def _report(self, trainer: Trainer) -> None:
+        """Rank 0: ``goodput.json`` for the doctor, the summary table and the PNG (a fit's end, or an attempt's)."""
         if not trainer.is_global_zero or not self.results:
             return
         if self._run_dir is not None:  # for `lightning-accel doctor`
@@ -381,12 +381,10 @@ class GoodputMonitor(Callback):
                 run["membership"] = self.membership.state_dict()
             (self._run_dir / RESULTS_FILE).write_text(json.dumps({**self.results, **run}, indent=1))
         if self.summary:
-            self._print_summary(trainer)
+            rows = goodput_rows(self.results, self.accounting, self.pricing, self.membership.changes)
+            print_summary("lightning-accel goodput", {**rows, "peak_flops_source": self.peak_source}, trainer=trainer)
         if self.plot and self._run_dir is not None:
-            carried = self.accounting.carried
-            bars = {"this attempt": {b: self.results[f"goodput/{b}_s"] - carried[b] for b in BUCKETS}}
-            if self.accounting.restarts:
-                bars["whole run"] = {b: self.results[f"goodput/{b}_s"] for b in BUCKETS}
+            bars = ledger_bars(self.results, self.accounting.carried, whole_run=bool(self.accounting.restarts))
             path = plot_ledger(bars, self._run_dir / "goodput.png", title="lightning-accel goodput ledger")
             log.info("goodput ledger plot: %s", path)
 
@@ -394,7 +392,7 @@ class GoodputMonitor(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._finish(trainer)  # Preempted included: results and the progress file hold up to the stop
         self.ledger.stop()
-
-    def _print_summary(self, trainer: Trainer) -> None:
-        rows = goodput_rows(self.results, self.accounting, self.pricing, self.membership.changes)
-        print_summary("lightning-accel goodput", {**rows, "peak_flops_source": self.peak_source}, trainer=trainer)
+        try:  # a preempted (or failed) attempt reports too: the doctor reads it; never masking the exception
+            self._report(trainer)
+        except Exception as err:
+            log.warning("no goodput report for this attempt: %s: %s", type(err).__name__, err)

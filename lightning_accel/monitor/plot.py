@@ -8,7 +8,7 @@ from pathlib import Path
 from lightning_accel.figures import pyplot
 from lightning_accel.monitor.ledger import BUCKETS
 
-__all__ = ["COLORS", "plot_ledger"]
+__all__ = ["COLORS", "ledger_bars", "plot_ledger"]
 
 COLORS = {
     "compute": "#2ca02c",
@@ -19,6 +19,17 @@ COLORS = {
     "compile": "#8c564b",
     "other": "#7f7f7f",
 }
+
+
+def ledger_bars(
+    results: Mapping[str, float], carried: Mapping[str, float], whole_run: bool
+) -> dict[str, dict[str, float]]:
+    """The bars of a ledger plot: this attempt's seconds per bucket (the results less what earlier attempts carried),
+    and, after restarts (``whole_run``), the whole run's."""
+    bars = {"this attempt": {b: results[f"goodput/{b}_s"] - carried[b] for b in BUCKETS}}
+    if whole_run:
+        bars["whole run"] = {b: results[f"goodput/{b}_s"] for b in BUCKETS}
+    return bars
 
 
 def plot_ledger(bars: Mapping[str, Mapping[str, float]], path: str | Path, title: str = "Where the time went") -> Path:

@@ -352,3 +352,26 @@ def test_gpu_kernels_are_charged_to_compute(tmp_path):
     r = monitor.results
     # Without the sync at the end of each compute region the queued kernels would be waited for elsewhere.
     assert r["goodput/compute_share"] > 0.8, r
+
+
+def test_a_preempted_attempt_writes_its_report_for_the_doctor(tmp_path, capsys):
+    """A stop request at step 3 (what SIGTERM or a cloud notice makes): the fit ends with exit 75, and the attempt
+    still writes goodput.json (the doctor reads it), prints its summary once and draws its PNG."""
+    checkpoint = la.PreemptionCheckpoint(tmp_path / "ckpt", every_n_steps=100)
+    monitor = la.GoodputMonitor(every_n_steps=2, warmup_steps=0)
+
+    class StopAtThree(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                checkpoint.request_stop("a test's stop request")
+
+    trainer = Trainer(**tiny_trainer_kwargs(tmp_path, max_steps=20, callbacks=[StopAtThree(), checkpoint, monitor]))
+    with pytest.raises(SystemExit) as stopped:
+        trainer.fit(BoringModel())
+    assert stopped.value.code == 75
+    report = json.loads((tmp_path / "ckpt" / "goodput.json").read_text())
+    assert (
+        report["goodput/total_s"] > 0 and 3 <= report["throughput/steps"] <= 4 if "throughput/steps" in report else True
+    )
+    assert (tmp_path / "ckpt" / "goodput.png").is_file()
+    assert capsys.readouterr().out.count("lightning-accel goodput") == 1
