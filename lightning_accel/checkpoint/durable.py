@@ -6,7 +6,6 @@ A checkpoint is trusted only when the ``<name>.manifest.json`` beside it matches
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -15,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import xxhash
-
 from lightning_accel.storage import parse_json_object
+from lightning_accel.storage.shards import CHECKSUM, file_digest  # (re-exported: the checkpoint room's names)
 
 __all__ = [
     "CHECKSUM",
@@ -38,7 +36,6 @@ __all__ = [
 
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = 2  # 2: xxh3_64 checksum; 1: sha256
-CHECKSUM = "xxh3_64"
 TMP_MARKER = ".tmp-"
 # Top-level checkpoint key PreemptionCheckpoint adds; copied into the manifest so pruning can tell runs apart.
 RUN_ID_KEY = "lightning_accel_run_id"
@@ -102,15 +99,6 @@ def read_manifest(path: PathLike) -> dict[str, Any] | None:
     except OSError:
         return None
     return parse_manifest(data)
-
-
-def file_digest(path: Path, kind: str = CHECKSUM) -> str:
-    """Hex digest of a file's bytes, read in 4 MB chunks: ``"xxh3_64"`` (ours) or ``"sha256"`` (format-1 manifests)."""
-    hasher = xxhash.xxh3_64() if kind == CHECKSUM else hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,10 @@ from lightning_accel.checkpoint.resumed_run import ResumedRun, is_final_step
 from lightning_accel.checkpoint.retention import KeepLast
 from lightning_accel.checkpoint.rng import RNGState, capture_rng, gather_rng_states, restore_rng, rng_for_rank
 from lightning_accel.checkpoint.save_timing import SaveTimer
-from lightning_accel.checkpoint.sharded import seal_folder
+from lightning_accel.checkpoint.sharded import seal_folder, writes_folders
 from lightning_accel.checkpoint.signals import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from lightning_accel.ranks import gather_from_ranks
+from lightning_accel.storage.shards import shard_digests
 
 __all__ = ["EPOCH_STATE_KEY", "VALIDATION_DUE_KEY", "PreemptionCheckpoint"]
 
@@ -365,8 +366,12 @@ class PreemptionCheckpoint(Callback):
             trainer.save_checkpoint(path, weights_only=False)
         finally:
             self._validation_due = False  # ends with a barrier: every rank has written
-        if trainer.is_global_zero and path.is_dir():  # a sharded folder (torch DCP, DeepSpeed): seal it
-            seal_folder(path, {"global_step": trainer.global_step, "run_id": self.run_id})
+        if writes_folders(trainer.strategy):  # a folder of shards: each rank's digests, sealed by rank 0
+            digests = {
+                k: v for part in gather_from_ranks(shard_digests(path, trainer.global_rank)) for k, v in part.items()
+            }
+            if trainer.is_global_zero:
+                seal_folder(path, {"global_step": trainer.global_step, "run_id": self.run_id}, digests)
         write = io.last_write if isinstance(io, AsyncAtomicCheckpointIO) else None
         if write is not None:
             self.save_timer.wait_for(start, write)

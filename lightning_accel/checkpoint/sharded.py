@@ -2,10 +2,11 @@
 with the same manifest a single file gets, so resume discovery, pruning and verification cover them too.
 
 The strategy writes the folder (every rank its shards; torch DCP writes its ``.metadata`` last, Lightning's
-``meta.pt`` follows on rank 0). Once all ranks are done, rank 0 writes ``<folder>.manifest.json`` listing every
-file with its size, and an xxh3-64 checksum of the files up to :data:`CHECKSUM_LIMIT` (the metadata: loops,
-callbacks, RNG states, DCP's index of the shards). The shards are checked by size: checksumming them would
-read the whole model back on one rank. A folder without a manifest was not finished (or not written by
+``meta.pt`` follows on rank 0). Once all ranks are done, each checksums the shards it wrote and rank 0 writes
+``<folder>.manifest.json`` listing every file with its size and xxh3-64 checksum (the other files up to
+:data:`CHECKSUM_LIMIT`: the metadata, loops, callbacks, RNG states, DCP's index). A search checks sizes and the
+metadata's checksums; each rank checks its share of the shards before the strategy loads them (``storage.shards``),
+so no rank reads the whole model back. A folder without a manifest was not finished (or not written by
 us): it is trusted only when it holds DCP's ``.metadata``, with a warning.
 """
 
@@ -66,14 +67,22 @@ def folder_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
-def seal_folder(folder: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write the manifest of a finished checkpoint folder (on one rank, after every rank has written)."""
+def seal_folder(
+    folder: Path, meta: dict[str, Any] | None = None, shard_digests: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Write the manifest of a finished checkpoint folder (on one rank, after every rank has written):
+    ``shard_digests`` are the shards' checksums their writers computed (``storage.shards``); the other files are
+    checksummed here up to :data:`CHECKSUM_LIMIT`."""
     files: dict[str, dict[str, Any]] = {}
+    digests = shard_digests or {}
     for path in folder_files(folder):
+        rel = path.relative_to(folder).as_posix()
         entry: dict[str, Any] = {"bytes": path.stat().st_size}
-        if entry["bytes"] <= CHECKSUM_LIMIT:
+        if rel in digests:
+            entry[CHECKSUM] = digests[rel]
+        elif entry["bytes"] <= CHECKSUM_LIMIT:
             entry[CHECKSUM] = file_digest(path)
-        files[path.relative_to(folder).as_posix()] = entry
+        files[rel] = entry
     manifest = {
         "format": MANIFEST_FORMAT,
         "kind": "folder",
@@ -99,6 +108,8 @@ def verify_folder(folder: Path, manifest: dict[str, Any] | None, checksum: bool 
             return Verdict(False, f"{name} is missing from the folder", "size")
         if path.stat().st_size != entry.get("bytes"):
             return Verdict(False, f"{name}: size {path.stat().st_size} != {entry.get('bytes')} (truncated?)", "size")
-        if checksum and CHECKSUM in entry and file_digest(path) != entry[CHECKSUM]:
+        # files up to CHECKSUM_LIMIT here (the metadata); larger shards by the ranks that load them (storage.shards)
+        small = entry.get("bytes", 0) <= CHECKSUM_LIMIT
+        if checksum and small and CHECKSUM in entry and file_digest(path) != entry[CHECKSUM]:
             return Verdict(False, f"{name}: xxh3-64 checksum does not match the manifest (altered or torn)", CHECKSUM)
     return Verdict(True, checked_by=CHECKSUM if checksum else "size")

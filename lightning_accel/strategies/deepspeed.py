@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_accel._compat import deepspeed_loads_universal
 from lightning_accel.extras import require
+from lightning_accel.storage.shards import verify_shards
 from lightning_accel.strategies.deepspeed_universal import saved_data_parallel_size, universal_checkpoint_for
 from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit
 
@@ -120,6 +121,8 @@ class AccelDeepSpeedStrategy(DeepSpeedStrategy):
         """Lightning's load; a ZeRO checkpoint written by another number of ranks is first converted to DeepSpeed's
         universal checkpoint (by rank 0, once, inside the checkpoint folder) and loaded from it."""
         folder = Path(checkpoint_path)
+        if folder.is_dir():  # a sealed folder's shards are first checked, each rank its share (storage.shards)
+            verify_shards(folder, self.global_rank, self.world_size)
         saved = saved_data_parallel_size(folder) if folder.is_dir() else None
         if saved is None or saved == self.world_size or (self.load_full_weights and self.zero_stage_3):
             return super().load_checkpoint(checkpoint_path, weights_only)

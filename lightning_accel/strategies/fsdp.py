@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from typing_extensions import override
 
 from lightning_accel._compat import materialize_distributed_module, optimizers_to_device, set_data_parallel_size
 from lightning_accel.blocks import children_beside_blocks, find_block_classes
+from lightning_accel.storage.shards import verify_shards
 from lightning_accel.strategies.activation_checkpointing import checkpoint_blocks
 from lightning_accel.strategies.process_group import close_gloo_process_group_at_exit, init_restart_safe_process_group
 
@@ -108,6 +110,14 @@ class AccelFSDPStrategy(ModelParallelStrategy):
             f"(activation checkpointing: {self.activation_checkpointing}, mixed precision: {self.mixed_precision})"
         )
         return blocks
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load; a sealed folder's shards are first checked, each rank its share (storage.shards)."""
+        path = Path(self.broadcast(checkpoint_path))  # rank 0's path, as Lightning's load takes it
+        if path.is_dir():
+            verify_shards(path, self.global_rank, self.world_size)
+        return super().load_checkpoint(path, weights_only)
 
     @override
     def setup_environment(self) -> None:
