@@ -34,11 +34,11 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_accel import (
     PreemptionCheckpoint,
     ResumableDataLoader,
-    close_gloo_process_group_at_exit,
     find_resume_checkpoint,
 )
 from lightning_accel.checkpoint import Preempted
 from lightning_accel.data import PerSampleSeed, tag_epochs
+from lightning_accel.strategies import close_gloo_process_group_at_exit
 from lightning_accel.testing import quiet_trainer_kwargs
 
 BATCH, SAMPLES, VAL_SAMPLES, EPOCHS = 4, 48, 12, 3

@@ -31,11 +31,10 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_accel import (
     PreemptionCheckpoint,
     ResumableDataLoader,
-    close_gloo_process_group_at_exit,
     find_resume_checkpoint,
 )
 from lightning_accel.checkpoint import Preempted
-from lightning_accel.strategies import AccelFSDPStrategy
+from lightning_accel.strategies import AccelFSDPStrategy, close_gloo_process_group_at_exit
 from lightning_accel.testing import quiet_trainer_kwargs
 from tests.conftest import SigtermAt
 
