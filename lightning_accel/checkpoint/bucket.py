@@ -37,6 +37,7 @@ from lightning_accel.storage import (
     retrying,
     upload,
 )
+from lightning_accel.storage.shards import folder_entries
 
 __all__ = ["BucketPublisher", "Publication", "confirm_objects", "list_bucket_manifests"]
 
@@ -315,10 +316,13 @@ def confirm_objects(fs: Any, root: str, name: str, manifest: dict[str, Any]) -> 
     """``None`` when every object the manifest names is in the store with its size; else what is wrong."""
     try:
         if manifest.get("kind") == "folder":
-            for rel, entry in (manifest.get("files") or {}).items():
+            entries = folder_entries(manifest)
+            if entries is None:
+                return "its manifest's list of files is not one of ours (not trusted)"
+            for rel, entry in entries.items():
                 size = fs.info(join(root, name, rel)).get("size")
-                if size != entry.get("bytes"):
-                    return f"{rel}: {size} bytes in the store, {entry.get('bytes')} in the manifest"
+                if size != entry["bytes"]:
+                    return f"{rel}: {size} bytes in the store, {entry['bytes']} in the manifest"
             return None
         size = fs.info(join(root, name)).get("size")
     except FileNotFoundError:

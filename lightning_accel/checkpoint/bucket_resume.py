@@ -29,6 +29,7 @@ from lightning_accel.storage import (
     redact,
     retrying,
 )
+from lightning_accel.storage.shards import folder_entries
 
 __all__ = ["fetch_from_bucket", "find_in_bucket"]
 
@@ -39,10 +40,11 @@ LIST_TIMEOUT_S = 60.0  # how long a resume retries listing a bucket that does no
 
 def _fetch(fs: Any, root: str, name: str, manifest: dict[str, Any], local: Path) -> None:
     if manifest.get("kind") == "folder":
-        for rel, entry in (manifest.get("files") or {}).items():
-            if ".." in Path(rel).parts or Path(rel).is_absolute():  # a hostile manifest must not write outside
-                raise ValueError(f"the manifest names a file outside the checkpoint folder: {rel!r}")
-            download(fs, join(root, name, rel), local / rel, entry.get("bytes"))
+        entries = folder_entries(manifest)  # a hostile one (a path leaving the folder...) must not write outside
+        if entries is None:
+            raise ValueError("the manifest's list of files is not one of ours (a path outside the folder?)")
+        for rel, entry in entries.items():
+            download(fs, join(root, name, rel), local / rel, entry["bytes"])
     else:
         download(fs, join(root, name), local, manifest.get("bytes"))
     download(fs, join(root, name + MANIFEST_SUFFIX), manifest_path(local))

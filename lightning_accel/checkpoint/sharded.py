@@ -28,6 +28,7 @@ from lightning_accel.checkpoint.durable import (
     file_digest,
     write_manifest,
 )
+from lightning_accel.storage.shards import folder_entries
 
 __all__ = ["folder_files", "ranks_share_folder", "seal_folder", "verify_folder", "writes_folders"]
 
@@ -102,14 +103,19 @@ def verify_folder(folder: Path, manifest: dict[str, Any] | None, checksum: bool 
         if (folder / DCP_METADATA).is_file():
             return Verdict(True, "no manifest; torch DCP's .metadata is there (its shards are unchecked)", "dcp")
         return Verdict(False, "a folder with neither a manifest nor torch DCP's .metadata (unfinished?)", "size")
-    for name, entry in manifest.get("files", {}).items():
+    entries = folder_entries(manifest)
+    if entries is None:
+        return Verdict(
+            False, "its manifest's list of files is not one of ours (hostile or damaged: not trusted)", "size"
+        )
+    for name, entry in entries.items():
         path = folder / name
         if not path.is_file():
             return Verdict(False, f"{name} is missing from the folder", "size")
-        if path.stat().st_size != entry.get("bytes"):
-            return Verdict(False, f"{name}: size {path.stat().st_size} != {entry.get('bytes')} (truncated?)", "size")
+        if path.stat().st_size != entry["bytes"]:
+            return Verdict(False, f"{name}: size {path.stat().st_size} != {entry['bytes']} (truncated?)", "size")
         # files up to CHECKSUM_LIMIT here (the metadata); larger shards by the ranks that load them (storage.shards)
-        small = entry.get("bytes", 0) <= CHECKSUM_LIMIT
+        small = entry["bytes"] <= CHECKSUM_LIMIT
         if checksum and small and CHECKSUM in entry and file_digest(path) != entry[CHECKSUM]:
             return Verdict(False, f"{name}: xxh3-64 checksum does not match the manifest (altered or torn)", CHECKSUM)
     return Verdict(True, checked_by=CHECKSUM if checksum else "size")

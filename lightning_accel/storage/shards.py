@@ -25,6 +25,7 @@ __all__ = [
     "CorruptShardError",
     "check_share",
     "file_digest",
+    "folder_entries",
     "shard_digests",
     "share",
     "verify_shards",
@@ -50,6 +51,22 @@ def file_digest(path: Path, kind: str = CHECKSUM) -> str:
     return hasher.hexdigest()
 
 
+def folder_entries(manifest: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """A folder manifest's ``files`` (relative path -> {"bytes", checksum}), or ``None`` when anything in it is not
+    what a manifest of ours holds (a list, a negative size, a path leaving the folder): not trusted, never a crash."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return None
+    for rel, entry in files.items():
+        parts = Path(rel).parts if isinstance(rel, str) else ("..",)
+        if ".." in parts or Path(rel).is_absolute() or not isinstance(entry, dict):
+            return None
+        size, digest = entry.get("bytes"), entry.get(CHECKSUM, "")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
+            return None
+    return files
+
+
 def writer_rank(rel: str) -> int | None:
     """The global rank that wrote the shard at ``rel`` (a path inside the folder), or ``None`` (metadata: rank 0's)."""
     for pattern in _SHARD_NAMES:
@@ -71,11 +88,13 @@ def shard_digests(folder: Path, rank: int) -> dict[str, str]:
 
 def check_share(folder: Path, manifest: dict[str, Any], rank: int, world_size: int) -> str | None:
     """``None`` when every shard of ``rank``'s share matches its size and checksum in ``manifest``; else which not."""
-    entries = manifest.get("files") or {}
+    entries = folder_entries(manifest)
+    if entries is None:
+        return "its manifest's list of files is not one of ours (not trusted)"
     for rel in share(entries, rank, world_size):
         entry, path = entries[rel], folder / rel
-        if not isinstance(entry, dict) or not path.is_file() or path.stat().st_size != entry.get("bytes"):
-            return f"{rel} is missing or not {entry.get('bytes') if isinstance(entry, dict) else '?'} bytes"
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            return f"{rel} is missing or not {entry['bytes']} bytes"
         if CHECKSUM in entry and file_digest(path) != entry[CHECKSUM]:
             return f"{rel}: its xxh3-64 checksum does not match the manifest (altered or torn)"
     return None

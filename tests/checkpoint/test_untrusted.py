@@ -157,3 +157,56 @@ def test_a_checkpoint_is_verified_once_per_node_whatever_the_number_of_readers(t
     with pytest.warns(UserWarning, match="Skipping checkpoint"):
         assert find_resume_checkpoint(tmp_path / "ck") is None
     assert reads == ["step=00000004.ckpt"] * 2
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**12) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@FUZZ
+@given(
+    files=json_values | st.dictionaries(st.sampled_from([".metadata", "__0_0.distcp", "../x", "/etc/x"]), json_values)
+)
+def test_no_reader_raises_on_a_hostile_folder_manifest(tmp_path_factory, files):
+    """A folder manifest that is valid JSON with anything as its list of files (a list, sizes that are not sizes,
+    paths leaving the folder): the search, the bucket's check, a rank's shard check and the download all judge it,
+    and none raises."""
+    from lightning_accel.checkpoint.bucket import confirm_objects
+    from lightning_accel.checkpoint.sharded import verify_folder
+    from lightning_accel.storage.shards import check_share, folder_entries
+
+    root = tmp_path_factory.mktemp("folder")
+    folder = root / "step=00000004.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"xy")
+    (folder / "__0_0.distcp").write_bytes(b"shard")
+    manifest = {"format": 2, "kind": "folder", "global_step": 4, "files": files}
+    manifest_path(folder).write_text(json.dumps(manifest))
+    trusted = folder_entries(manifest) is not None
+
+    def fair(rel, entry) -> bool:  # what a manifest of ours holds: a relative path inside, a size, a checksum
+        inside = ".." not in Path(rel).parts and not Path(rel).is_absolute()
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        return inside and type(size) is int and size >= 0 and isinstance(entry.get("xxh3_64", ""), str)
+
+    assert trusted == (isinstance(files, dict) and all(fair(k, v) for k, v in files.items()))
+    verdict = verify_folder(folder, manifest)
+    assert bool(verdict) is False or trusted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = find_resume_checkpoint(root)
+    assert found is None or trusted
+    assert check_share(folder, manifest, 0, 1) is None or isinstance(check_share(folder, manifest, 0, 1), str)
+
+    class Sizes:  # a store holding the folder's files with their sizes
+        def info(self, path):
+            local = folder / path.split("step=00000004.ckpt/", 1)[-1]
+            if not local.is_file() or ".." in path:
+                raise FileNotFoundError(path)
+            return {"size": local.stat().st_size}
+
+    problem = confirm_objects(Sizes(), "b/run", "step=00000004.ckpt", manifest)
+    assert problem is None or isinstance(problem, str)
