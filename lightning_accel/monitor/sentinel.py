@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import math
 import multiprocessing
 import os
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,6 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_accel._compat import default_store, nccl_flight_recorder_dump
+from lightning_accel.monitor.allowance import Allowance
 from lightning_accel.monitor.heartbeat import Beat, Board, HangReport, LocalBoard, StoreBoard, Watch
 from lightning_accel.monitor.node_board import NodeBoard, node_folder
 from lightning_accel.monitor.run_folder import run_folder
@@ -44,7 +42,6 @@ log = logging.getLogger(__name__)
 
 HANG_EXIT_CODE = 76  # every process of a hung job exits with this (EX_PROTOCOL: the ranks stopped answering)
 VERDICT_EVERY_S = 5.0  # a node's leader reads the judge's verdict this often: a hang found on another node waits
-_WINDOW = 32  # measured durations each allowance is the median (checkpoints: the longest) of
 # Loader workers forked after setup inherit faulthandler's registration for this signal and its file: on a hang
 # each child is sent it and writes its own stacks there (a worker blocked in __getitem__ shows the blocking line).
 _CHILD_DUMP_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -77,9 +74,7 @@ class HangSentinel(Callback):
         exit_on_hang: bool = True,
         dirpath: str | Path | None = None,
     ) -> None:
-        for name, value in (("factor", factor), ("floor_s", floor_s), ("startup_s", startup_s)):
-            if value <= 0:
-                raise ValueError(f"HangSentinel: {name} must be > 0, got {value}")
+        Allowance(factor, floor_s, startup_s)  # checks the three (one line naming a bad one), before any fit
         if poll_s is not None and poll_s <= 0:
             raise ValueError(f"HangSentinel: poll_s must be > 0, got {poll_s}")
         self.factor, self.floor_s, self.startup_s = factor, floor_s, startup_s
@@ -99,7 +94,7 @@ class HangSentinel(Callback):
         self._host, self._pid = socket.gethostname(), os.getpid()
         self._batches = self._progress = 0
         self._phase = "data"
-        self._times: dict[str, deque[float]] = {k: deque(maxlen=_WINDOW) for k in ("train", "validation", "save")}
+        self._allowance = Allowance(self.factor, self.floor_s, self.startup_s)
         self._since = time.monotonic()  # start of what is being timed (a training batch, a val batch, a save)
         self._step = trainer.global_step
         self._save_started, self._save_resume_phase = self._since, "data"
@@ -112,21 +107,14 @@ class HangSentinel(Callback):
     def _finished(self, kind: str, trainer: Trainer, next_phase: str) -> None:
         self._leave_checkpoint()
         now = time.monotonic()
-        self._times[kind].append(now - self._since)
+        self._allowance.record(kind, now - self._since)
         self._since = now
         self._step = trainer.global_step  # read once a batch: Lightning's property walks its loops
         self._enter(next_phase)
 
     def allowance_s(self) -> float:
         """How long the current phase may go without progress, from this rank's measured times."""
-        if self._phase == "finished":
-            return math.inf  # training is over: what follows (an export, a final upload) is not a step to time
-        kind = {"validation": "validation", "checkpoint": "save"}.get(self._phase, "train")
-        times = self._times[kind]
-        if not times:
-            return float(self.startup_s)
-        typical = max(times) if kind == "save" else statistics.median(times)
-        return float(max(self.floor_s, self.factor * typical))
+        return self._allowance.for_phase(self._phase)
 
     def beat(self) -> Beat:
         return Beat(
@@ -266,7 +254,7 @@ class HangSentinel(Callback):
         """A save ends at the next event: its time is measured, and left out of the batch it interrupted."""
         if self._phase == "checkpoint":
             now = time.monotonic()
-            self._times["save"].append(now - self._save_started)
+            self._allowance.record("save", now - self._save_started)
             self._since += now - self._save_started  # a save is not part of the batch it follows
             self._phase = self._save_resume_phase
 

@@ -127,20 +127,20 @@ def test_one_process_hang_is_reported_with_its_stack_and_allowances_follow_measu
     assert beat["phase"] == "forward" and beat["batches"] == 6 and beat["allowance_s"] == 0.5  # tiny steps: floor
     stacks = (tmp_path / "hang" / "rank0.stacks.txt").read_text()
     assert "in training_step" in stacks
-    assert len(sentinel._times["save"]) == 4  # steps 2, 4, 6 and 8, each timed apart from its batch
-    assert len(sentinel._times["validation"]) == 2 * 2  # two validations of two batches
-    assert len(sentinel._times["train"]) == 8
+    assert len(sentinel._allowance.times["save"]) == 4  # steps 2, 4, 6 and 8, each timed apart from its batch
+    assert len(sentinel._allowance.times["validation"]) == 2 * 2  # two validations of two batches
+    assert len(sentinel._allowance.times["train"]) == 8
 
 
 def test_allowances_start_generous_then_follow_the_median_and_bad_settings_are_named():
     sentinel = HangSentinel(factor=10, floor_s=1, startup_s=600)
     sentinel._reset(Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False))
     assert sentinel.allowance_s() == 600.0  # no batch measured yet: the first compile and collectives
-    sentinel._times["train"].extend([0.2, 0.3, 5.0])  # one slow outlier leaves the median alone
+    sentinel._allowance.times["train"].extend([0.2, 0.3, 5.0])  # one slow outlier leaves the median alone
     assert sentinel.allowance_s() == pytest.approx(3.0)
     sentinel._phase = "checkpoint"
     assert sentinel.allowance_s() == 600.0  # no save measured yet
-    sentinel._times["save"].extend([0.05, 2.0])
+    sentinel._allowance.times["save"].extend([0.05, 2.0])
     assert sentinel.allowance_s() == pytest.approx(20.0)  # the longest save, times the factor
     for kwargs, message in (
         ({"factor": 0}, "factor must be > 0, got 0"),
@@ -181,8 +181,8 @@ def test_slow_checkpoint_saves_get_their_own_allowance_and_raise_no_alarm(tmp_pa
     trainer.fit(Quick(), DataLoader(TensorDataset(torch.randn(96, 4)), batch_size=4))
     assert sentinel.report is None and not (tmp_path / "hang").exists()
     # steps 3, 6, 9 and 12 (the last one timed by on_train_end, where the rank enters "finished")
-    assert len(sentinel._times["save"]) == 4 and min(sentinel._times["save"]) >= 0.6
-    assert max(sentinel._times["train"]) < 0.6  # no batch was charged a save
+    assert len(sentinel._allowance.times["save"]) == 4 and min(sentinel._allowance.times["save"]) >= 0.6
+    assert max(sentinel._allowance.times["train"]) < 0.6  # no batch was charged a save
 
 
 @requires_cuda
