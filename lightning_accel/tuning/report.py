@@ -41,7 +41,11 @@ def trial_table(result: TuneResult) -> Table:
     title = f"lightning-accel tune: {len(result.trials)} trials in {result.elapsed_s:.0f}s"
     if _world_size(result) > 1:
         title += f" (samples/s and batch per device, {_world_size(result)} devices)"
-    table = Table(title=title)
+    caption = (
+        "samples/s: the trial's first run; amortized: the mean of all its runs, compile time spread over the "
+        "recipe's planned samples (what the choice is made on)"
+    )
+    table = Table(title=title, caption=caption)
     for column in ("#", "stage", "settings", "samples/s", "amortized", "MFU", "peak MB", "compile s", "verdict"):
         table.add_column(column, overflow="fold")
     for i, t in enumerate(result.trials):

@@ -273,6 +273,7 @@ def test_tuned_recipe_applies_the_choice_and_keeps_the_samples(tmp_path):
     _, lines = tuned_config(yaml.safe_load((ROOT / "recipes/tiny_gpt_ddp_cpu.yaml").read_text()), ddp, [])
     assert any("global batch changed 32 -> 256" in line for line in lines), lines
     assert "per device, 2 devices" in trial_table(ddp).title
+    assert "amortized: the mean of all its runs" in str(trial_table(ddp).caption)  # the two columns explained
     # --keep-global-batch: batch 16 x 4 accumulated -> 64 x 1; steps and callback intervals keep their meaning
     accumulating = {**recipe, "trainer": {**recipe["trainer"], "accumulate_grad_batches": 4}}
     kept = result("batch", Candidate(precision="32-true", batch_size=64, accumulate_grad_batches=1), 1300, batch=64)
