@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_accel.storage import parse_json_object
-from lightning_accel.storage.shards import CHECKSUM, file_digest  # (re-exported: the checkpoint room's names)
+from lightning_accel.storage.shards import (  # (re-exported: the checkpoint room's names)
+    CHECKSUM,
+    MANIFEST_SUFFIX,
+    file_digest,
+)
 
 __all__ = [
     "CHECKSUM",
@@ -34,7 +38,6 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = 2  # 2: xxh3_64 checksum; 1: sha256
 TMP_MARKER = ".tmp-"
 # Top-level checkpoint key PreemptionCheckpoint adds; copied into the manifest so pruning can tell runs apart.

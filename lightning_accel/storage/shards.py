@@ -22,6 +22,7 @@ from lightning_accel.storage.trust import parse_json_object
 
 __all__ = [
     "CHECKSUM",
+    "MANIFEST_SUFFIX",
     "CorruptShardError",
     "check_share",
     "file_digest",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 CHECKSUM = "xxh3_64"
+MANIFEST_SUFFIX = ".manifest.json"  # a checkpoint's manifest sits beside it: "<checkpoint>.manifest.json"
 # The writer's global rank in a shard's name: torch DCP's FileSystemWriter (``__<rank>_<n>.distcp``) and DeepSpeed's
 # ZeRO partitions (``[bf16_]zero_pp_rank_<rank>_mp_rank_<mp>_{optim,model}_states.pt``).
 _SHARD_NAMES = (re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$"), re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_"))
@@ -113,7 +115,7 @@ def verify_shards(folder: Path, rank: int, world_size: int) -> None:
     :class:`CorruptShardError` on every rank when any share fails (a collective: every rank must call it). A folder
     without a readable manifest is left to the search that picked it (``find_resume_checkpoint``)."""
     try:
-        manifest = parse_json_object(Path(str(folder) + ".manifest.json").read_bytes())
+        manifest = parse_json_object(Path(str(folder) + MANIFEST_SUFFIX).read_bytes())
     except OSError:
         manifest = None
     reason = check_share(folder, manifest, rank, world_size) if manifest is not None else None

@@ -22,16 +22,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_accel.blocks import find_blocks
 from lightning_accel.compile import TorchCompile
-from lightning_accel.float8 import Float8Training
 from lightning_accel.monitor.summary import wide_console
 from lightning_accel.recipe import AccelTrainer, build_cli
-from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
 from lightning_accel.tuning.config import TuneConfig, parse_budget
 from lightning_accel.tuning.report import plot, print_report, trial_line, write_json, write_tuned_yaml
 from lightning_accel.tuning.search import Search, Trial, TuneResult, data_knobs, pickle_objects
 from lightning_accel.tuning.server import temporary_workdir
 from lightning_accel.tuning.space import Candidate
-from lightning_accel.tuning.trial import TrialResult, TrialSettings
+from lightning_accel.tuning.trial import OWN_FEATURES, TrialResult, TrialSettings
 
 __all__ = ["Candidate", "TrialSettings", "TuneConfig", "TuneResult", "parse_budget", "tune"]
 
@@ -47,13 +45,9 @@ def _compile_of(trainer: Any) -> tuple[str, str | None]:
 
 def _own_features(trainer: Any) -> dict[str, str]:
     """The recipe's own activation checkpointing policy and fp8 recipe, as candidate fields (measured, not kept)."""
-    own = {}
-    for callback in trainer.callbacks:
-        if isinstance(callback, ActivationCheckpointing):
-            own["activation_checkpointing"] = callback.policy
-        elif isinstance(callback, Float8Training):
-            own["float8"] = callback.recipe
-    return own
+    return {
+        knob: getattr(c, attr) for c in trainer.callbacks for kind, knob, attr in OWN_FEATURES if isinstance(c, kind)
+    }
 
 
 def _block_names(model: Any) -> list[str]:

@@ -16,6 +16,7 @@ from lightning_accel.figures import pyplot
 from lightning_accel.monitor.summary import wide_console
 from lightning_accel.tuning.search import Trial, TuneResult
 from lightning_accel.tuning.space import Candidate
+from lightning_accel.tuning.trial import OWN_FEATURES
 
 __all__ = [
     "STEP_ARGS",
@@ -141,11 +142,9 @@ def tuned_config(
         lines.append(f"compile: {best.compile}" + (f" ({best.compile_mode})" if best.compile_mode else ""))
     if best.compile != base.compile or best.compile_mode != base.compile_mode:
         trainer["callbacks"] = callbacks
-    for knob, class_path, arg in (
-        ("float8", "lightning_accel.Float8Training", "recipe"),
-        ("activation_checkpointing", "lightning_accel.ActivationCheckpointing", "policy"),
-    ):
-        value, name = getattr(best, knob), class_path.rsplit(".", 1)[1]
+    for kind, knob, arg in OWN_FEATURES:  # in the order a trial adds them: the tuned run is the measured one
+        value, name = getattr(best, knob), kind.__name__
+        class_path = f"lightning_accel.{name}"
         if value == getattr(base, knob):
             continue
         # the recipe's own one (if any) goes: measured without it, or with another setting, the tuned run was faster

@@ -34,7 +34,15 @@ from lightning_accel.monitor.peaks import peak_flops, precision_dtype
 from lightning_accel.recipe import AccelTrainer, build_cli
 from lightning_accel.strategies.activation_checkpointing import ActivationCheckpointing
 
-__all__ = ["DATA_KNOBS", "TrialProbe", "TrialResult", "TrialSettings", "data_knob_holders", "run_trial_process"]
+__all__ = [
+    "DATA_KNOBS",
+    "OWN_FEATURES",
+    "TrialProbe",
+    "TrialResult",
+    "TrialSettings",
+    "data_knob_holders",
+    "run_trial_process",
+]
 
 log = logging.getLogger(__name__)
 
@@ -196,14 +204,18 @@ def run_trial_process(spec_path: str, out_path: str) -> None:
         Path(out_path).write_text(json.dumps(asdict(result)))
 
 
+# The callbacks a recipe may bring that tune measures like any candidate: (class, Candidate field, its argument).
+OWN_FEATURES = (
+    (ActivationCheckpointing, "activation_checkpointing", "policy"),
+    (Float8Training, "float8", "recipe"),
+)
+
+
 def _apply_own_features(trainer: Any, cand: dict[str, Any]) -> None:
     """Activation checkpointing and fp8 as the candidate has them. The recipe's own callback stays as it is (its
     blocks, its skips) where the candidate keeps its setting (the baseline carries it), and goes where the candidate
     measures without it or with another setting."""
-    for kind, knob, attr in (
-        (ActivationCheckpointing, "activation_checkpointing", "policy"),
-        (Float8Training, "float8", "recipe"),
-    ):
+    for kind, knob, attr in OWN_FEATURES:
         wanted, own = cand.get(knob), [c for c in trainer.callbacks if isinstance(c, kind)]
         if own and getattr(own[0], attr) == wanted:
             continue
