@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +27,11 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 os.environ["LIGHTNING_ACCEL_CLOUD"] = "none"
 # The node cache (staging, downloads, verdicts) of this test session and its subprocesses, not the user's ~/.cache
 os.environ.setdefault("LIGHTNING_ACCEL_CACHE_DIR", tempfile.mkdtemp(prefix="lightning_accel_cache-"))
+# Every process the tests start finds the repository (their scripts import tests.*), and the zygote's hook first.
+ROOT = Path(__file__).resolve().parents[1]
+ZYGOTE = ROOT / "tests/helpers/zygote"
+_paths = [str(ZYGOTE), str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in _paths if p))
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 
@@ -69,6 +77,35 @@ def pytest_collection_modifyitems(config, items):
     """Files in LONGEST_FIRST's order, the rest after them (a stable sort: a file's tests keep their order)."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote(tmp_path_factory):
+    """The session's process zygote (tests/helpers/zygote/server.py): the Python processes the tests start are
+    forked from an interpreter that imported torch and Lightning once, instead of importing them again (about 6 s
+    of CPU each). Each still runs our code from its first import and exits as a fresh process does. Processes
+    started before it is ready start fresh. LIGHTNING_ACCEL_TEST_FRESH_PROCESSES=1 turns it off; so does a GPU
+    (a process that has asked CUDA anything must not fork)."""
+    if os.environ.get("LIGHTNING_ACCEL_TEST_FRESH_PROCESSES") or torch.cuda.is_available():
+        yield None
+        return
+    socket_path = tmp_path_factory.mktemp("zygote") / "socket"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ACCEL_TEST_ZYGOTE")}
+    server = subprocess.Popen(
+        [sys.executable, str(ZYGOTE / "server.py"), str(socket_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # its handlers share its group: one killpg ends them (their processes follow)
+    )
+    os.environ["LIGHTNING_ACCEL_TEST_ZYGOTE"] = str(socket_path)
+    os.environ["LIGHTNING_ACCEL_TEST_ZYGOTE_PYTHON"] = sys.executable
+    try:
+        yield server
+    finally:
+        os.environ.pop("LIGHTNING_ACCEL_TEST_ZYGOTE", None)
+        os.environ.pop("LIGHTNING_ACCEL_TEST_ZYGOTE_PYTHON", None)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import pytest
 from lightning_accel import MissingExtra
 from lightning_accel.extras import EXTRAS, available, require
 from lightning_accel.storage import MissingStorageBackend, UnsupportedStorageError
+from tests.helpers.zygote import fresh_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = (
@@ -57,7 +58,8 @@ def test_without_the_extras_the_core_callbacks_train_and_each_extra_feature_name
     cannot be imported (as where pip never installed them; a second venv would cost minutes of install per run)."""
     out = tmp_path / "results.json"
     cmd = [sys.executable, str(ROOT / "tests/helpers/core_install.py"), str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # a fresh interpreter: the zygote's children start with modules in memory that this test must see imported
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=fresh_env())
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["loaded_at_import"] == []  # `import lightning_accel` touched none of them

@@ -51,7 +51,7 @@ def objects(bucket: str, prefix: str = "run", proxy=None) -> list[str]:
 
 def start(url: str, out: Path, cwd: Path, cache: Path, *extra: str) -> subprocess.Popen:
     """The training script in its own working folder and node cache: a machine of its own."""
-    env = {**os.environ, "LIGHTNING_ACCEL_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "LIGHTNING_ACCEL_CACHE_DIR": str(cache)}
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), "--url", url, "--out", str(out), *extra],

@@ -369,7 +369,7 @@ def launch(ranks: int, folder: Path, phase: str, *stop_at: str, **env: str) -> N
     """One attempt of tests/checkpoint/world_change_run.py on ``ranks`` gloo ranks under torchrun."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd += [str(ROOT / "tests/checkpoint/world_change_run.py"), str(folder), phase, *stop_at]
-    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    environ = {**os.environ, **env}
     result = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 

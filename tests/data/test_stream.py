@@ -151,7 +151,7 @@ def test_a_stream_resumes_exactly_on_two_ddp_ranks(tmp_path):
     # the three fits one after another in the same two ranks (one launch; each fit as fresh as a new process's)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(tmp_path)]
     cmd += ["whole,cut,resume", str(stop_at)]
-    env = {**os.environ, "WORKERS": str(workers), "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, "WORKERS": str(workers)}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in range(2):

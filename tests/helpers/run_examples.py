@@ -10,6 +10,7 @@ example that fails does not stop the next one.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -41,6 +42,9 @@ def main() -> None:
     results = {}
     for example in map(Path, examples):
         results[str(example)] = run(example)
+        # The example's objects are garbage now; a DALI pipeline among them must be collected here, where its threads
+        # live, not by a collection inside a later example's forked loader worker (it would wait there forever).
+        gc.collect()
         Path(results_path).write_text(json.dumps(results))  # after each: a crash still reports the ones before
 
 

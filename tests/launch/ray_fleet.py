@@ -24,6 +24,10 @@ from tests.launch.elastic_fleet import step_reached, world_sizes
 # about 1.5 s (health checks every 0.5 s), and a group that cannot start at the size Ray first counted gives up after
 # 8 s instead of 60, so the test does not wait on Ray's defaults for clusters of real machines.
 os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "8"
+# Two of Ray Train's helper actors (a Python process each, every time the group starts: three times here) watch
+# what this cluster has not got: a cloud's drain notices (ours are PreemptionNotices') and a metrics backend.
+os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+os.environ["RAY_TRAIN_METRICS_ENABLED"] = "0"
 SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 TIMEOUT = 480  # per wait: a loaded 2-core machine has taken 6 min from the cluster's start to the first step
 # Ray Train's elastic policy reads the cluster's resources through Ray's AutoscalingCoordinator actor, which refreshes

@@ -27,7 +27,7 @@ ROOT = Path(__file__).parents[2]
 
 def torchrun(out: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *extra, str(SCRIPT), str(out), mode]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ}
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     except subprocess.TimeoutExpired as timeout:  # show what the job printed before it stopped answering
@@ -189,7 +189,7 @@ def test_slow_checkpoint_saves_get_their_own_allowance_and_raise_no_alarm(tmp_pa
 def test_on_a_gpu_the_nccl_flight_recorder_is_dumped_beside_the_stacks(tmp_path):
     """One GPU, NCCL: rank 0 of 1 sleeps in training_step; the hang folder gets NCCL's flight recorder too."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(SCRIPT), str(tmp_path), "step"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HANG_RANK": "0", "DEVICES": "1", "ACCELERATOR": "gpu"}
+    env = {**os.environ, "HANG_RANK": "0", "DEVICES": "1", "ACCELERATOR": "gpu"}
     env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"  # the recorder keeps nothing unless given a buffer
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     output = result.stdout + result.stderr

@@ -22,6 +22,7 @@ from lightning_accel.tuning.report import trial_table, tuned_config
 from lightning_accel.tuning.search import Search, Trial, TuneResult, data_knobs
 from lightning_accel.tuning.space import DataKnobs, batch_candidates, loader_candidates, precision_compile_candidates
 from lightning_accel.tuning.trial import TrialResult
+from tests.helpers.zygote import fresh_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = TrialSettings(warmup=3, measure_s=0.5, min_batches=5, max_batches=200, loss_batches=4)
@@ -304,7 +305,8 @@ def test_tune_is_a_plain_function_imported_on_first_use():
         lightning_accel.tune()
     heavy = "('lightning_accel.tuning', 'lightning.pytorch.cli')"
     probe = f"import sys, lightning_accel; print(sorted(m for m in {heavy} if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    cmd = [sys.executable, "-c", probe]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=fresh_env()).stdout
     assert out.strip() == "[]", out
 
 

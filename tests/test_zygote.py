@@ -1,0 +1,93 @@
+"""The test session's process zygote (tests/helpers/zygote/) keeps what the tests rely on from a fresh process: the
+command line, folder, environment and paths it was given, its exit code or signal, signals sent to the pid the
+caller knows, and its death with that pid's. Each check also asserts the process was forked (the tests would pass
+on fresh processes too, but the zygote would then save nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PROBE = """
+import json, os, sys, torch
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "x": os.environ.get("PROBE_X"),
+    "forked": "lightning.pytorch" in sys.modules, "main": __name__, "threads": torch.get_num_threads()}))
+"""
+
+
+@pytest.fixture
+def zygote_on(zygote):
+    if zygote is None:
+        pytest.skip("the zygote is off here (LIGHTNING_ACCEL_TEST_FRESH_PROCESSES or a GPU): processes start fresh")
+    deadline = time.monotonic() + 120
+    while not Path(os.environ["LIGHTNING_ACCEL_TEST_ZYGOTE"]).exists():  # (it binds its socket once it has imported)
+        assert time.monotonic() < deadline and zygote.poll() is None, "the zygote did not start"
+        time.sleep(0.2)
+
+
+def test_a_script_gets_its_command_folder_environment_and_paths_and_exits_with_its_code(zygote_on, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE + "sys.exit(7)\n")
+    env = {**os.environ, "PROBE_X": "given", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), "a", "b"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 7, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {
+        "argv": [str(script), "a", "b"],
+        "cwd": str(tmp_path),
+        "path0": str(tmp_path),
+        "x": "given",
+        "forked": True,
+        "main": "__main__",
+        "threads": 1,
+    }
+    module = subprocess.run([sys.executable, "-m", "json.tool", "--help"], capture_output=True, text=True)
+    assert module.returncode == 0 and "usage" in module.stdout
+
+
+def test_signals_reach_the_process_and_its_death_is_the_callers(zygote_on, tmp_path):
+    code = (
+        "import os, signal, sys, time, torch\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))\n"
+        "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(pid_file)])
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to the proxy: forwarded; the handler's exit code comes back
+    assert proc.wait(timeout=30) == 75
+
+    pid_file.unlink()
+    proc = subprocess.Popen([sys.executable, "-c", code, str(pid_file)])
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    assert worker != proc.pid  # forked by the zygote, behind the proxy
+    proc.kill()  # SIGKILL the pid the caller knows: the process goes too
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and "Z" not in Path(f"/proc/{worker}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the forked process outlived its proxy"
+        time.sleep(0.05)
+
+    aborted = subprocess.run([sys.executable, "-c", "import os, signal, torch; os.kill(os.getpid(), signal.SIGABRT)"])
+    assert aborted.returncode == -signal.SIGABRT  # killed by a signal: the caller sees that signal
+
+
+def test_an_uncaught_exception_prints_its_traceback_and_exits_1(zygote_on):
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; raise ValueError('boom')"], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().endswith("ValueError: boom") and "Traceback" in done.stderr
