@@ -16,6 +16,7 @@ from lightning.pytorch import Callback
 
 from lightning_accel.logs import defer_to_root
 from lightning_accel.testing import quiet_trainer_kwargs
+from tests.helpers.zygote import fresh_env
 
 defer_to_root()  # our records reach pytest's handlers on the root logger (caplog), as in a program that logs
 
@@ -94,10 +95,9 @@ def zygote(tmp_path_factory):
         yield None
         return
     socket_path = tmp_path_factory.mktemp("zygote") / "socket"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ACCEL_TEST_ZYGOTE")}
     server = subprocess.Popen(
         [sys.executable, str(ZYGOTE / "server.py"), str(socket_path)],
-        env=env,
+        env=fresh_env(),  # (the zygote itself hands nothing over)
         stdout=subprocess.DEVNULL,
         start_new_session=True,  # its handlers share its group: one killpg ends them (their processes follow)
     )

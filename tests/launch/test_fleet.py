@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import socket
 import subprocess
@@ -66,8 +65,7 @@ def agent(root: Path, name: str, port: int, hosts_store: bool) -> subprocess.Pop
     cmd += ["--rdzv-conf", conf, "--max-restarts", "3", "--monitor-interval", "0.2"]
     cmd += ["fit", "--config", str(root / "recipe.yaml"), "--ckpt_path", "auto"]
     log = open(root / f"{name}.log", "w")  # the agent writes it until it ends
-    env = {**os.environ}
-    return subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_until(condition, what: str, agents: list[subprocess.Popen]) -> None:
@@ -159,8 +157,7 @@ def test_ray_trains_on_when_a_node_vanishes_and_grows_back_when_one_joins(tmp_pa
     recipe = RECIPE.format(root=tmp_path, epochs=epochs, accumulate=ACCUMULATE_AT_2).replace("0.12", "0.2")
     (tmp_path / "recipe.yaml").write_text(recipe)
     script = [sys.executable, str(ROOT / "tests/launch/ray_fleet.py"), str(tmp_path), "5", "6"]
-    env = {**os.environ}
-    result = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     log = (tmp_path / "fit.log").read_text() if (tmp_path / "fit.log").exists() else ""
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:] + log[-4000:]
     assert effective_batches(tmp_path / "trained") == expected_batches(epochs)

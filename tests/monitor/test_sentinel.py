@@ -27,9 +27,8 @@ ROOT = Path(__file__).parents[2]
 
 def torchrun(out: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *extra, str(SCRIPT), str(out), mode]
-    env = {**os.environ}
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired as timeout:  # show what the job printed before it stopped answering
         output = (timeout.stdout or b"").decode(errors="replace") + (timeout.stderr or b"").decode(errors="replace")
         raise AssertionError(f"{mode}: the job did not end in 180 s; its output:\n{output[-6000:]}") from None

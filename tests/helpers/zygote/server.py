@@ -87,10 +87,10 @@ def reopen_stdio(unbuffered: bool) -> None:
                 handler.setStream(getattr(sys, old[id(handler.stream)]))
 
 
-def rebuild_path(first: str, pythonpath: str) -> None:
+def rebuild_path(first: str, pythonpath: str, own_pythonpath: str) -> None:
     """sys.path as a fresh interpreter would have it: ``first`` (the script's folder, or the working folder), then
-    the new PYTHONPATH, then this interpreter's own entries (stdlib, site-packages) without its PYTHONPATH."""
-    ours = [os.path.abspath(p) for p in os.environ.get("ZYGOTE_OWN_PYTHONPATH", "").split(os.pathsep) if p]
+    the new PYTHONPATH, then this interpreter's own entries (stdlib, site-packages) without its ``own_pythonpath``."""
+    ours = [os.path.abspath(p) for p in own_pythonpath.split(os.pathsep) if p]
     rest = [p for p in sys.path[1:] if os.path.abspath(p or ".") not in ours]
     extra = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *rest]
@@ -110,7 +110,6 @@ def become(request: dict, fds: list[int]) -> None:
     own_pythonpath = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ["ZYGOTE_OWN_PYTHONPATH"] = own_pythonpath
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():  # torch read it when this zygote imported it; a fresh process reads its own
         import torch
@@ -120,8 +119,7 @@ def become(request: dict, fds: list[int]) -> None:
     reopen_stdio(unbuffered)
     mode, target = request["mode"], request["target"]
     first = os.path.dirname(os.path.abspath(target)) if mode == "script" else (os.getcwd() if mode == "module" else "")
-    rebuild_path(first, os.environ.get("PYTHONPATH", ""))
-    os.environ.pop("ZYGOTE_OWN_PYTHONPATH")
+    rebuild_path(first, os.environ.get("PYTHONPATH", ""), own_pythonpath)
 
 
 def run(request: dict) -> None:
