@@ -5,6 +5,7 @@ on fresh processes too, but the zygote would then save nothing)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -91,3 +92,20 @@ def test_an_uncaught_exception_prints_its_traceback_and_exits_1(zygote_on):
     )
     assert done.returncode == 1
     assert done.stderr.strip().endswith("ValueError: boom") and "Traceback" in done.stderr
+
+
+def test_the_sessions_processes_skip_only_jsonschemas_slow_optional_iri_checker():
+    """sitecustomize.py's SkippedOptionalImports, in a process the session starts (with the zygote on or off):
+    rfc3987_syntax reads as not installed, jsonschema still validates, and other imports are untouched."""
+    try:  # (the distribution's metadata: an xdist worker has the finder too)
+        importlib.metadata.distribution("rfc3987-syntax")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("rfc3987-syntax is not installed (it comes with jupyterlab, HolisticTraceAnalysis' extra)")
+    probe = (
+        "import importlib.util, json, jsonschema\n"
+        "try:\n    import rfc3987_syntax\n    skipped = False\nexcept ModuleNotFoundError:\n    skipped = True\n"
+        "jsonschema.validate({'a': 1}, {'properties': {'a': {'type': 'integer'}}})\n"
+        "print(json.dumps([skipped, importlib.util.find_spec('lark') is not None]))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout) == [True, True]
