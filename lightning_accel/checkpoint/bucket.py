@@ -35,6 +35,7 @@ from lightning_accel.storage import (
     join,
     redact,
     retrying,
+    store_checks_crc32,
     upload,
 )
 from lightning_accel.storage.shards import folder_entries
@@ -83,6 +84,7 @@ class BucketPublisher:
         self._lock = threading.Lock()
         self._warned_slow = False
         self._ours: dict[str, tuple[int, bool]] | None = None  # this run's checkpoints in the bucket: step, folder?
+        self.store_checks_crc32 = False  # asked at fit start (check_writable): how an upload is confirmed
         self.cancelled = False
 
     # -- fit start ---------------------------------------------------------------------------------------------
@@ -106,6 +108,7 @@ class BucketPublisher:
                 final=(FileNotFoundError, PermissionError),  # no such bucket, no right to write: no use waiting
             )
             abort_stale_uploads(self.fs, self.root)
+            self.store_checks_crc32 = store_checks_crc32(self.fs, probe)
         except (StoreError, OSError) as err:
             raise StoreError(
                 f"PreemptionCheckpoint cannot write to {redact(self.url)}: {err}. Check that the bucket exists, "
@@ -113,6 +116,12 @@ class BucketPublisher:
                 "profile or instance role; GCP application default credentials; AZURE_STORAGE_* variables) and, "
                 "for an S3-compatible server, AWS_ENDPOINT_URL"
             ) from None
+        if hasattr(self.fs, "call_s3") and not self.store_checks_crc32:
+            log.info(
+                "object store %s does not check the CRC32 sent with an upload (moto, some S3-compatible servers): "
+                "each upload is confirmed by the MD5 in the store's ETag instead (one more pass over each file)",
+                redact(self.url),
+            )
 
     # -- uploads -----------------------------------------------------------------------------------------------
     def submit(self, local: Path, step: int, write: Any, staged_s: float) -> Publication:
@@ -164,7 +173,7 @@ class BucketPublisher:
                 if self.cancelled:  # given up at a missed deadline: no object after that, least of all the manifest
                     raise StoreError(f"the upload of {name} was given up")
                 retrying(
-                    lambda: upload(self.fs, local, remote),  # noqa: B023 - called at once, inside this iteration
+                    lambda: upload(self.fs, local, remote, self.store_checks_crc32),  # noqa: B023 - called at once
                     self.outage,
                     f"uploading {name}",
                     backoff=self.backoff,

@@ -133,7 +133,7 @@ class Destination:
         if self.publisher is None or self.url is None:
             return
         fs, root = filesystem(self.url)
-        outage = OutageLog(self.url)
+        outage, checks_crc32 = OutageLog(self.url), self.publisher.store_checks_crc32
         files = [p for p in sorted(self.local_dir.rglob("*")) if p.is_file()]
         for path in files:
             rel = path.relative_to(self.local_dir).as_posix()
@@ -143,7 +143,12 @@ class Destination:
                 log.warning("run files from %s on stay on local disk only: no time left before the deadline", path)
                 return
             try:
-                retrying(lambda: upload(fs, path, join(root, rel)), outage, f"uploading {rel}", deadline=deadline)  # noqa: B023
+                retrying(
+                    lambda: upload(fs, path, join(root, rel), checks_crc32),  # noqa: B023 - called at once
+                    outage,
+                    f"uploading {rel}",
+                    deadline=deadline,
+                )
             except StoreError as err:
                 log.warning("run file %s stays on local disk only: %s", path, err)
                 return

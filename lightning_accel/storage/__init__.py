@@ -21,6 +21,7 @@ from lightning_accel.storage.transfer import (
     download,
     download_tree,
     retrying,
+    store_checks_crc32,
     upload,
 )
 from lightning_accel.storage.trust import parse_json_object
@@ -59,5 +60,6 @@ __all__ = [
     "redact",
     "retrying",
     "staging_dir",
+    "store_checks_crc32",
     "upload",
 ]

@@ -2,8 +2,10 @@
 
 An upload is confirmed when the store reports the object with the local file's size and, where the store exposes
 one, the same checksum: S3's ETag (the MD5 of a single-part object, or the MD5 of the parts' MD5s for a multipart
-one), GCS's ``md5Hash``, Azure's ``content_md5``. Failures are retried with exponential backoff; an outage is
-logged once when it starts and once when it ends (:class:`OutageLog`), never once per retry.
+one), GCS's ``md5Hash``, Azure's ``content_md5``. An S3 store that checks the CRC32 sent with an upload (S3 itself;
+:func:`store_checks_crc32` asks) is given the staged file's, and its answer confirms the bytes it received; one that
+keeps whatever it is sent (moto) is held to the MD5 in its ETag. Failures are retried with exponential backoff; an
+outage is logged once when it starts and once when it ends (:class:`OutageLog`), never once per retry.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import random
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +36,7 @@ __all__ = [
     "download",
     "download_tree",
     "retrying",
+    "store_checks_crc32",
     "upload",
 ]
 
@@ -42,6 +46,10 @@ T = TypeVar("T")
 # s3fs uploads in parts of this size (its own default, passed explicitly so the multipart ETag can be recomputed)
 PART_BYTES = 50 * 2**20
 
+
+# A CRC32 no probe body has (the probe's is not 0): a store that checks what it is sent refuses the probe.
+_WRONG_CRC32 = base64.b64encode(bytes(4)).decode()
+CRC_PROBE_BODY = b"does this store check the CRC32 it is sent?"
 
 # Errors of the calling code, not of the store: raised at once, never retried as an outage.
 _BUGS = (TypeError, AttributeError, NameError, AssertionError, ImportError)
@@ -181,13 +189,14 @@ def _s3_info(fs: AbstractFileSystem, remote: str) -> dict[str, Any]:
     return {"size": head.get("ContentLength"), "ETag": head.get("ETag"), "crc32": head.get("ChecksumCRC32")}
 
 
-def confirm_upload(fs: AbstractFileSystem, remote: str, local: Path) -> None:
+def confirm_upload(fs: AbstractFileSystem, remote: str, local: Path, store_checks_crc32: bool = False) -> None:
     """Raise :class:`StoreError` unless ``remote`` is in the store with ``local``'s size (and checksum, where the
-    store reports one: S3's CRC32 or MD5 ETag, GCS's MD5, Azure's Content-MD5)."""
+    store reports one: S3's CRC32 where it checks the ones it is sent, else its MD5 ETag; GCS's MD5; Azure's
+    Content-MD5)."""
     fs.invalidate_cache(remote)
     info = _s3_info(fs, remote) if hasattr(fs, "call_s3") else fs.info(remote)
-    crc32 = info.get("crc32")
-    if isinstance(crc32, str) and "-" not in crc32 and info.get("size") == local.stat().st_size:
+    crc32 = info.get("crc32")  # (a store that does not check CRC32s reports the one it was sent: not evidence)
+    if store_checks_crc32 and isinstance(crc32, str) and "-" not in crc32 and info.get("size") == local.stat().st_size:
         if crc32 != _crc32_of(local):  # (a multipart object's CRC is composite: its ETag is compared instead)
             raise StoreError(f"{redact(remote)}: the store's CRC32 {crc32} is not the staged file's: not confirmed")
         return
@@ -210,33 +219,86 @@ def _put_kwargs(fs: AbstractFileSystem) -> dict[str, Any]:
     return {"chunksize": PART_BYTES} if "chunksize" in params else {}
 
 
-def upload(fs: AbstractFileSystem, local: Path, remote: str) -> None:
+def store_checks_crc32(fs: AbstractFileSystem, probe: str) -> bool:
+    """Whether the S3 store behind ``fs`` refuses an object whose body does not match the CRC32 sent with it, as S3
+    does; its answer to an upload then confirms the bytes it received. moto, for one, keeps such an object and
+    reports the CRC32 it was sent: its answers are no evidence, and its uploads are held to their MD5 ETag instead.
+
+    ``probe`` is a key to test with (deleted again): sent with a wrong CRC32, it must be refused for a checksum, and
+    sent with the right one, taken (a store that refuses every CRC32 header does not check them). ``False`` for other
+    stores and on any other answer: the MD5 path is slower, never less sure."""
+    if not hasattr(fs, "call_s3"):
+        return False
+    bucket, _, key = probe.partition("/")
+
+    def put(crc32: str) -> dict[str, Any]:
+        kwargs = {"Body": CRC_PROBE_BODY, "ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32}
+        return fs.call_s3("put_object", Bucket=bucket, Key=key, **kwargs)
+
+    try:
+        put(_WRONG_CRC32)
+    except Exception as err:
+        if isinstance(err, _BUGS):
+            raise
+        said = " ".join(str(e) for e in (err, err.__cause__, err.__context__) if e is not None).lower()
+        if "digest" not in said and "checksum" not in said:  # S3's BadDigest, MinIO's XAmzContentChecksumMismatch
+            return False
+        right = base64.b64encode(zlib.crc32(CRC_PROBE_BODY).to_bytes(4, "big")).decode()
+        try:
+            put(right)
+        except Exception as again:
+            if isinstance(again, _BUGS):
+                raise
+            return False
+    else:
+        fs.rm_file(probe)
+        return False
+    fs.rm_file(probe)
+    return True
+
+
+def upload(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32: bool = False) -> None:
     """Put ``local`` at ``remote`` and confirm it (one try; callers retry through :func:`retrying`).
 
     s3fs aborts its multipart upload when a part fails, so a failed try leaves no parts behind; parts left by a
     process that was killed mid-upload are aborted by :func:`abort_stale_uploads` at the next start. An S3 object of
-    one part goes up in one ``PutObject`` with its CRC32, which the store verifies on receipt and returns: that
-    answer confirms it, without a second request (as does the MD5 ETag of a store that returns no checksum).
+    one part goes up in one ``PutObject``, confirmed by the store's answer to it, without a second request.
     """
     if hasattr(fs, "call_s3") and local.stat().st_size <= PART_BYTES:
-        body = local.read_bytes()
-        crc32 = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
-        bucket, _, key = remote.partition("/")
-        # botocore computes the CRC32 and sends it after the body; the store checks it on receipt and answers with
-        # it (a value passed in the header instead is one that moto, for one, neither checks nor returns)
-        answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, ChecksumAlgorithm="CRC32")
-        fs.invalidate_cache(remote)
-        if answer.get("ChecksumCRC32") == crc32:  # the store took what we staged, by its own account
-            return
-        # A store that does not echo checksums (moto, some S3-compatible servers) answers with its ETag: the MD5 of
-        # what it took, for an unencrypted single-part object. Compared with the body still in memory, it confirms
-        # the upload without a second request or read. Anything else is asked again, by size and checksum.
-        etag = str(answer.get("ETag") or "").strip('"')
-        if etag != hashlib.md5(body, usedforsecurity=False).hexdigest():
-            confirm_upload(fs, remote, local)
+        _put_object(fs, local, remote, store_checks_crc32)
         return
     fs.put_file(str(local), remote, **_put_kwargs(fs))
-    confirm_upload(fs, remote, local)
+    confirm_upload(fs, remote, local, store_checks_crc32)
+
+
+def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32: bool) -> None:
+    """One ``PutObject`` whose body is read from the staged file as it is sent (no copy of it in memory).
+
+    A store that checks CRC32s gets the staged file's: it refuses the object unless what it received matches, and
+    answers with the value. Any other store's answer carries its ETag, the MD5 of what it kept (unencrypted, one
+    part), compared with the staged file's. A body cut short (s3fs retries a call with the file where the last try
+    left it) fails either check and is tried again; an answer with neither value is asked again (HEAD).
+    """
+    bucket, _, key = remote.partition("/")
+    checksum = {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": _crc32_of(local)} if store_checks_crc32 else {}
+    # the MD5 an ETag is compared with is computed while the body is sent (hashlib lets go of the GIL)
+    hasher = None if store_checks_crc32 else ThreadPoolExecutor(1, thread_name_prefix="accel-md5")
+    md5 = hasher.submit(_md5_of, local, False) if hasher is not None else None
+    try:
+        with open(local, "rb") as body:
+            answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, **checksum)
+    finally:
+        if hasher is not None:
+            hasher.shutdown()
+    fs.invalidate_cache(remote)
+    if store_checks_crc32 and answer.get("ChecksumCRC32") == checksum["ChecksumCRC32"]:
+        return
+    etag = str(answer.get("ETag") or "").strip('"')
+    if md5 is not None and len(etag) == 32:  # an MD5 (an encrypted object's ETag is not: HEAD below)
+        if etag != md5.result():
+            raise StoreError(f"{redact(remote)}: the store's checksum {etag} is not the staged file's: not confirmed")
+        return
+    confirm_upload(fs, remote, local, store_checks_crc32)
 
 
 def download(fs: AbstractFileSystem, remote: str, local: Path, size: int | None = None) -> None:

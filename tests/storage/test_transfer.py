@@ -1,13 +1,15 @@
 """The storage layer's transfers, Trainer-free: an upload counts only once the store reports it with the staged
-file's size and checksum, a store that keeps other bytes is caught, retries log an outage once, downloads never
-leave a torn file under the real name, and multipart uploads a killed process left are aborted. Against moto's S3
-server on 127.0.0.1 where a store answers, and small fakes for what each backend reports."""
+file's size and checksum, a store that keeps other bytes is caught (one that checks CRC32s by its own check, one that
+does not by its ETag), retries log an outage once, downloads never leave a torn file under the real name, and
+multipart uploads a killed process left are aborted. Against moto's S3 server on 127.0.0.1 where a store answers
+(it does not check CRC32s), and small fakes for what each backend reports and for a store that checks."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import logging
+import zlib
 from types import SimpleNamespace
 
 import fsspec
@@ -23,6 +25,7 @@ from lightning_accel.storage.transfer import (
     download,
     download_tree,
     retrying,
+    store_checks_crc32,
     upload,
 )
 
@@ -33,31 +36,94 @@ def s3(bucket):
 
 
 class Corrupting:
-    """An S3 file system whose store keeps other bytes than were staged (a flipped byte, or the body cut short)."""
+    """An S3 file system whose store receives other bytes than were staged (a flipped byte, the body cut short)."""
 
     def __init__(self, fs, damage) -> None:
         self.fs, self.damage = fs, damage
 
     def call_s3(self, method, **kwargs):
         if method == "put_object":
-            kwargs = {**kwargs, "Body": self.damage(kwargs["Body"])}
+            kwargs = {**kwargs, "Body": self.damage(kwargs["Body"].read())}
         return self.fs.call_s3(method, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.fs, name)
 
 
+class Checking(Corrupting):
+    """A store that checks the CRC32 sent with an object against the body it received, as S3 does (moto does not)."""
+
+    def __init__(self, fs) -> None:
+        super().__init__(fs, damage=lambda body: body)
+
+    def call_s3(self, method, **kwargs):
+        if method == "put_object" and "ChecksumCRC32" in kwargs:
+            body = kwargs["Body"] if isinstance(kwargs["Body"], bytes) else kwargs["Body"].read()
+            if base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode() != kwargs["ChecksumCRC32"]:
+                raise OSError("BadDigest: The CRC32 you specified did not match the calculated checksum.")
+            kwargs = {**kwargs, "Body": body}
+        return self.fs.call_s3(method, **kwargs)
+
+
+class RefusingChecksums(Corrupting):
+    """A store that refuses any upload sent with a checksum header, right or wrong: it checks nothing."""
+
+    def __init__(self, fs) -> None:
+        super().__init__(fs, damage=lambda body: body)
+
+    def call_s3(self, method, **kwargs):
+        if method == "put_object" and "ChecksumCRC32" in kwargs:
+            raise OSError("InvalidArgument: x-amz-checksum-crc32 is not supported")
+        return self.fs.call_s3(method, **kwargs)
+
+
+class RetriedWhereItStopped(Corrupting):
+    """s3fs retrying a ``PutObject`` whose first try read part of the file: the same file object, where it stopped."""
+
+    def call_s3(self, method, **kwargs):
+        if method == "put_object":
+            kwargs["Body"].read(100)
+        return self.fs.call_s3(method, **kwargs)
+
+
 def test_an_upload_is_confirmed_and_a_store_that_keeps_other_bytes_is_caught(s3, tmp_path):
+    """moto keeps what it is sent without checking the CRC32 that came with it: its ETag (the MD5 of what it kept)
+    confirms an upload. A store that checks CRC32s is sent the staged file's and refuses other bytes itself."""
     fs, bucket = s3
     staged = tmp_path / "step=00000004.ckpt"
     staged.write_bytes(bytes(range(256)) * 400)
-    upload(fs, staged, f"{bucket}/run/{staged.name}")
-    assert fs.cat_file(f"{bucket}/run/{staged.name}") == staged.read_bytes()
     flipped = lambda body: body[:10] + bytes([body[10] ^ 1]) + body[11:]  # noqa: E731
-    with pytest.raises(StoreError, match=r"the store's (CRC32|checksum) \S+ is not the staged file's: not confirmed"):
-        upload(Corrupting(fs, flipped), staged, f"{bucket}/run/flipped.ckpt")
-    with pytest.raises(StoreError, match=r"holds 102390 bytes, the staged file 102400: not confirmed"):
-        upload(Corrupting(fs, lambda body: body[:-10]), staged, f"{bucket}/run/cut.ckpt")
+    for checks, store in ((False, fs), (True, Checking(fs))):
+        upload(store, staged, f"{bucket}/run/{staged.name}", store_checks_crc32=checks)
+        assert fs.cat_file(f"{bucket}/run/{staged.name}") == staged.read_bytes()
+        refused = r"BadDigest" if checks else r"the store's checksum [0-9a-f]{32} is not the staged file's"
+        for damaged in (
+            Corrupting(store, flipped),
+            Corrupting(store, lambda body: body[:-10]),
+            RetriedWhereItStopped(store, damage=None),
+        ):
+            with pytest.raises(OSError, match=refused):
+                upload(damaged, staged, f"{bucket}/run/damaged.ckpt", store_checks_crc32=checks)
+
+
+def test_a_store_is_asked_whether_it_checks_the_crc32_it_is_sent(s3, tmp_path):
+    fs, bucket = s3
+    assert zlib.crc32(transfer.CRC_PROBE_BODY) != 0  # the probe's CRC32 is not the wrong one it is sent with
+    assert store_checks_crc32(fs, f"{bucket}/probe") is False  # moto keeps the object (then deleted again)
+    assert not fs.exists(f"{bucket}/probe")
+    assert store_checks_crc32(Checking(fs), f"{bucket}/probe") is True
+    assert not fs.exists(f"{bucket}/probe")
+    assert store_checks_crc32(RefusingChecksums(fs), f"{bucket}/probe") is False  # refuses every CRC32 header
+    assert store_checks_crc32(SimpleNamespace(), "bucket/probe") is False  # not S3
+    # the CRC32 a HEAD reports counts only where the store checks the ones it is sent
+    staged = tmp_path / "staged"
+    staged.write_bytes(b"checkpoint bytes" * 1000)
+    crc = base64.b64encode(zlib.crc32(staged.read_bytes()).to_bytes(4, "big")).decode()
+    head = {"ContentLength": 16000, "ETag": '"' + "0" * 32 + '"', "ChecksumCRC32": crc}
+    fake = SimpleNamespace(invalidate_cache=lambda path: None, call_s3=lambda method, **kwargs: head)
+    confirm_upload(fake, "bucket/staged", staged, store_checks_crc32=True)
+    with pytest.raises(StoreError, match=r"the store's checksum 0{32} is not the staged file's"):
+        confirm_upload(fake, "bucket/staged", staged, store_checks_crc32=False)
 
 
 def test_each_backends_own_report_confirms_or_refuses_an_upload(tmp_path):
