@@ -89,12 +89,16 @@ class BucketPublisher:
 
     # -- fit start ---------------------------------------------------------------------------------------------
     def check_writable(self, run_id: str) -> None:
-        """Write and delete a probe object, and abort multipart uploads a killed process left; raise a clear
-        :class:`StoreError` (naming the store, the error and the fixes) when the store refuses or is unreachable."""
+        """Write and delete a probe object (on S3, the one that asks whether the store checks CRC32s), and abort
+        multipart uploads a killed process left; raise a clear :class:`StoreError` (naming the store, the error and
+        the fixes) when the store refuses or is unreachable."""
         probe = join(self.root, f".lightning_accel-probe-{run_id}")
         deadline = time.monotonic() + PROBE_TIMEOUT_S
 
         def write_probe() -> None:
+            if hasattr(self.fs, "call_s3"):
+                self.store_checks_crc32 = store_checks_crc32(self.fs, probe)
+                return
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm_file(probe)
 
@@ -108,7 +112,6 @@ class BucketPublisher:
                 final=(FileNotFoundError, PermissionError),  # no such bucket, no right to write: no use waiting
             )
             abort_stale_uploads(self.fs, self.root)
-            self.store_checks_crc32 = store_checks_crc32(self.fs, probe)
         except (StoreError, OSError) as err:
             raise StoreError(
                 f"PreemptionCheckpoint cannot write to {redact(self.url)}: {err}. Check that the bucket exists, "

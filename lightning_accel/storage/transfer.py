@@ -224,37 +224,39 @@ def store_checks_crc32(fs: AbstractFileSystem, probe: str) -> bool:
     does; its answer to an upload then confirms the bytes it received. moto, for one, keeps such an object and
     reports the CRC32 it was sent: its answers are no evidence, and its uploads are held to their MD5 ETag instead.
 
-    ``probe`` is a key to test with (deleted again): sent with a wrong CRC32, it must be refused for a checksum, and
-    sent with the right one, taken (a store that refuses every CRC32 header does not check them). ``False`` for other
-    stores and on any other answer: the MD5 path is slower, never less sure."""
+    ``probe`` is a key to test with: sent with a wrong CRC32 it must be refused for its checksum, and with the right
+    one taken (a store that refuses every CRC32 header checks none). It is written and deleted either way, so this
+    is also the proof that the store takes writes and deletes: its errors (no bucket, no right, no answer) are
+    raised. ``False`` for other stores: the MD5 path is slower, never less sure."""
     if not hasattr(fs, "call_s3"):
         return False
     bucket, _, key = probe.partition("/")
 
-    def put(crc32: str) -> dict[str, Any]:
+    def put(crc32: str) -> None:
         kwargs = {"Body": CRC_PROBE_BODY, "ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32}
-        return fs.call_s3("put_object", Bucket=bucket, Key=key, **kwargs)
+        fs.call_s3("put_object", Bucket=bucket, Key=key, **kwargs)
 
+    checks = False
     try:
-        put(_WRONG_CRC32)
+        put(_WRONG_CRC32)  # taken: the store keeps what it is sent
     except Exception as err:
-        if isinstance(err, _BUGS):
+        if not _refused_for_its_checksum(err):
             raise
-        said = " ".join(str(e) for e in (err, err.__cause__, err.__context__) if e is not None).lower()
-        if "digest" not in said and "checksum" not in said:  # S3's BadDigest, MinIO's XAmzContentChecksumMismatch
-            return False
-        right = base64.b64encode(zlib.crc32(CRC_PROBE_BODY).to_bytes(4, "big")).decode()
         try:
-            put(right)
+            put(base64.b64encode(zlib.crc32(CRC_PROBE_BODY).to_bytes(4, "big")).decode())
+            checks = True
         except Exception as again:
-            if isinstance(again, _BUGS):
+            if not _refused_for_its_checksum(again):
                 raise
-            return False
-    else:
-        fs.rm_file(probe)
-        return False
+            fs.pipe_file(probe, CRC_PROBE_BODY)
     fs.rm_file(probe)
-    return True
+    return checks
+
+
+def _refused_for_its_checksum(err: Exception) -> bool:
+    said = " ".join(str(e) for e in (err, err.__cause__, err.__context__) if e is not None).lower()
+    # S3's BadDigest, MinIO's XAmzContentChecksumMismatch; a bug of ours is never one
+    return not isinstance(err, _BUGS) and ("digest" in said or "checksum" in said)
 
 
 def upload(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32: bool = False) -> None:

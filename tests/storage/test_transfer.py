@@ -114,6 +114,9 @@ def test_a_store_is_asked_whether_it_checks_the_crc32_it_is_sent(s3, tmp_path):
     assert store_checks_crc32(Checking(fs), f"{bucket}/probe") is True
     assert not fs.exists(f"{bucket}/probe")
     assert store_checks_crc32(RefusingChecksums(fs), f"{bucket}/probe") is False  # refuses every CRC32 header
+    assert not fs.exists(f"{bucket}/probe")
+    with pytest.raises(FileNotFoundError):  # the probe proves the store takes writes: its errors are raised
+        store_checks_crc32(fs, "no-such-bucket-here/probe")
     assert store_checks_crc32(SimpleNamespace(), "bucket/probe") is False  # not S3
     # the CRC32 a HEAD reports counts only where the store checks the ones it is sent
     staged = tmp_path / "staged"
