@@ -47,8 +47,6 @@ T = TypeVar("T")
 PART_BYTES = 50 * 2**20
 
 
-# A CRC32 no probe body has (the probe's is not 0): a store that checks what it is sent refuses the probe.
-_WRONG_CRC32 = base64.b64encode(bytes(4)).decode()
 CRC_PROBE_BODY = b"does this store check the CRC32 it is sent?"
 
 # Errors of the calling code, not of the store: raised at once, never retried as an outage.
@@ -172,13 +170,18 @@ def _remote_checksum(info: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def _as_s3_crc32(crc: int) -> str:
+    """A CRC32 as S3 sends and reports it: base64 of the big-endian 4 bytes."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
 def _crc32_of(path: Path) -> str:
-    """The CRC32 of ``path`` as S3 reports it (base64 of the big-endian 4 bytes)."""
+    """The CRC32 of ``path`` as S3 reports it."""
     crc = 0
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             crc = zlib.crc32(chunk, crc)
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+    return _as_s3_crc32(crc)
 
 
 def _s3_info(fs: AbstractFileSystem, remote: str) -> dict[str, Any]:
@@ -238,12 +241,12 @@ def store_checks_crc32(fs: AbstractFileSystem, probe: str) -> bool:
 
     checks = False
     try:
-        put(_WRONG_CRC32)  # taken: the store keeps what it is sent
+        put(_as_s3_crc32(0))  # not the probe's CRC32; taken: the store keeps what it is sent
     except Exception as err:
         if not _refused_for_its_checksum(err):
             raise
         try:
-            put(base64.b64encode(zlib.crc32(CRC_PROBE_BODY).to_bytes(4, "big")).decode())
+            put(_as_s3_crc32(zlib.crc32(CRC_PROBE_BODY)))
             checks = True
         except Exception as again:
             if not _refused_for_its_checksum(again):
