@@ -32,8 +32,10 @@ from lightning_accel.storage import (
     StoreError,
     abort_stale_uploads,
     filesystem,
+    for_uploads,
     join,
     redact,
+    remove_objects,
     retrying,
     store_checks_crc32,
     upload,
@@ -73,7 +75,8 @@ class BucketPublisher:
 
     def __init__(self, url: str, keep_last: int | None, grace_period_s: float, backoff: Backoff | None = None) -> None:
         self.url = url.rstrip("/")
-        self.fs, self.root = filesystem(self.url)
+        fs, self.root = filesystem(self.url)
+        self.fs = for_uploads(fs)
         self.keep_last, self.grace_period_s = keep_last, grace_period_s
         self.backoff = backoff or Backoff(*RETRY_BACKOFF_S)
         self.outage = OutageLog(self.url)
@@ -254,9 +257,11 @@ class BucketPublisher:
 
     # -- retention ---------------------------------------------------------------------------------------------
     def prune(self, newest: Publication) -> None:
-        """Delete this run's checkpoints in the bucket beyond ``keep_last`` (manifest first: it stops counting at
-        once) and the staged local copies older than ``newest``. The bucket is listed once per fit (for the
-        checkpoints earlier attempts of the run left); after that this publisher's own uploads are all it adds."""
+        """Delete this run's checkpoints in the bucket beyond ``keep_last`` and the staged local copies older than
+        ``newest``. A checkpoint file goes with its manifest in one request where the store takes one (S3's
+        DeleteObjects), else the manifest goes first; either way a reader never trusts a manifest without its objects.
+        The bucket is listed once per fit (for the checkpoints earlier attempts of the run left); after that this
+        publisher's own uploads are all it adds."""
         for path in newest.local.parent.glob("step=*.ckpt"):
             if path.name < newest.local.name:
                 _remove_local(path)
@@ -275,12 +280,13 @@ class BucketPublisher:
         self._ours[newest.local.name] = (newest.step, newest.local.is_dir())
         for name in sorted(self._ours, key=lambda n: self._ours[n][0], reverse=True)[self.keep_last :]:  # type: ignore[index]
             folder = self._ours[name][1]
+            manifest = join(self.root, name + MANIFEST_SUFFIX)
             try:
-                self.fs.rm_file(join(self.root, name + MANIFEST_SUFFIX))
                 if folder:
+                    self.fs.rm_file(manifest)
                     self.fs.rm(join(self.root, name), recursive=True)
                 else:
-                    self.fs.rm_file(join(self.root, name))
+                    remove_objects(self.fs, [manifest, join(self.root, name)])
             except OSError as err:
                 self.outage.failed(err, f"deleting {name}")
                 continue

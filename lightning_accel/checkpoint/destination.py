@@ -132,7 +132,7 @@ class Destination:
         ``hang/``) beside the checkpoints in the bucket, until ``deadline`` (monotonic)."""
         if self.publisher is None or self.url is None:
             return
-        fs, root = filesystem(self.url)
+        fs, root = self.publisher.fs, self.publisher.root
         outage, checks_crc32 = OutageLog(self.url), self.publisher.store_checks_crc32
         files = [p for p in sorted(self.local_dir.rglob("*")) if p.is_file()]
         for path in files:

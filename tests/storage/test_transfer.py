@@ -24,6 +24,8 @@ from lightning_accel.storage.transfer import (
     confirm_upload,
     download,
     download_tree,
+    for_uploads,
+    remove_objects,
     retrying,
     store_checks_crc32,
     upload,
@@ -104,6 +106,53 @@ def test_an_upload_is_confirmed_and_a_store_that_keeps_other_bytes_is_caught(s3,
         ):
             with pytest.raises(OSError, match=refused):
                 upload(damaged, staged, f"{bucket}/run/damaged.ckpt", store_checks_crc32=checks)
+
+
+def test_uploads_send_no_checksum_of_botocores_own_and_are_still_confirmed(s3, tmp_path):
+    """botocore sends a CRC32 of its own with every upload by default (a pass over the file); the file system our
+    uploads go through leaves it out, and its uploads are confirmed and refused exactly as before."""
+    fs, bucket = s3
+    uploads = for_uploads(fs)
+    for store, sends_its_own in ((fs, True), (uploads, False)):
+        store.call_s3("put_object", Bucket=bucket, Key="plain", Body=b"abc")
+        head = fs.call_s3("head_object", Bucket=bucket, Key="plain", ChecksumMode="ENABLED")
+        assert ("ChecksumCRC32" in head) is sends_its_own
+    staged = tmp_path / "step=00000004.ckpt"
+    staged.write_bytes(bytes(range(256)) * 400)
+    upload(uploads, staged, f"{bucket}/run/{staged.name}")
+    assert fs.cat_file(f"{bucket}/run/{staged.name}") == staged.read_bytes()  # the same store and credentials
+    flipped = lambda body: body[:10] + bytes([body[10] ^ 1]) + body[11:]  # noqa: E731
+    with pytest.raises(StoreError, match=r"the store's checksum [0-9a-f]{32} is not the staged file's"):
+        upload(Corrupting(uploads, flipped), staged, f"{bucket}/run/damaged.ckpt")
+    memory = fsspec.filesystem("memory")
+    assert for_uploads(memory) is memory
+
+
+def test_a_checkpoint_and_its_manifest_are_deleted_in_one_request(s3, tmp_path):
+    fs, bucket = s3
+    names = [f"{bucket}/run/step=00000004.ckpt.manifest.json", f"{bucket}/run/step=00000004.ckpt"]
+    for name in names:
+        fs.pipe_file(name, b"x")
+    sent = []
+    counting = SimpleNamespace(
+        call_s3=lambda method, **kw: sent.append(method) or fs.call_s3(method, **kw),
+        invalidate_cache=fs.invalidate_cache,
+    )
+    remove_objects(counting, [*names, f"{bucket}/run/already-gone"])  # a missing object counts as deleted
+    assert sent == ["delete_objects"] and not any(fs.exists(name) for name in names)
+    refusing = SimpleNamespace(
+        call_s3=lambda method, **kw: {"Errors": [{"Key": "run/step=00000004.ckpt", "Code": "AccessDenied"}]},
+        invalidate_cache=lambda path: None,
+    )
+    with pytest.raises(StoreError, match=r"did not delete run/step=00000004.ckpt \(AccessDenied\)"):
+        remove_objects(refusing, names)
+    with pytest.raises(ValueError, match="the objects of one bucket"):
+        remove_objects(fs, [f"{bucket}/a", "another-bucket/b"])
+    memory = fsspec.filesystem("memory")  # elsewhere: one by one
+    for name in ("/run/a.manifest.json", "/run/a"):
+        memory.pipe_file(name, b"x")
+    remove_objects(memory, ["/run/a.manifest.json", "/run/a"])
+    assert not memory.exists("/run/a") and not memory.exists("/run/a.manifest.json")
 
 
 def test_a_store_is_asked_whether_it_checks_the_crc32_it_is_sent(s3, tmp_path):
