@@ -19,8 +19,10 @@ momentum), a checkpoint every ``--every`` steps.
 - ``dcp_async_s3``: ``torch.distributed.checkpoint.async_save(state, checkpoint_id="s3://...")`` (DCP picks its fsspec
   writer for the URL), one save in flight.
 
-Reported: fit time over ``none``, the stall (the saving callback's ``on_train_batch_end`` at a saving step), and the
-time to resume from the bucket on an empty machine (find the newest checkpoint, download it, load it).
+Reported: fit time over ``none``, the stall (the saving callback's ``on_train_batch_end`` at a saving step), the
+tail (from the end of training, ``on_train_end``, to ``fit`` returning: the wait for the last save to reach the
+store), and the time to resume from the bucket on an empty machine (find the newest checkpoint, download it, load
+it).
 
     python -m benchmarks.object_storage [--params-m 4] [--steps 40] [--every 10] [--rounds 2]
 """
@@ -62,9 +64,18 @@ VARIANTS = (
 PEERS = ("lightning_s3", "lightning_s3_async", "dcp_async_s3")
 
 
+class TrainEnd(Callback):
+    """When training ended (``on_train_end``): what follows, to ``fit`` returning, is the wait for the last save."""
+
+    at = 0.0
+
+    def on_train_end(self, *args: Any) -> None:
+        self.at = time.perf_counter()
+
+
 def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[str, Any]:
-    timer = StepTimes()
-    callbacks: list[Callback] = [timer]
+    timer, train_end = StepTimes(), TrainEnd()
+    callbacks: list[Callback] = [timer, train_end]
     extra: dict[str, Any] = {}
     if variant.startswith("ours"):
         callbacks.append(PreemptionCheckpoint(where, every_n_steps=every, keep_last=2, async_save=True))
@@ -84,7 +95,8 @@ def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[s
     start = time.perf_counter()
     with probe if s3_path else contextlib.nullcontext():
         trainer.fit(model, datamodule=data)  # each variant's teardown waits for its last write (ours: the upload)
-    return {"fit_s": time.perf_counter() - start, "stall_s": stall}
+    end = time.perf_counter()
+    return {"fit_s": end - start, "stall_s": stall, "tail_s": end - train_end.at}
 
 
 def resume_seconds(url: str, cache: Path) -> float:
@@ -126,6 +138,7 @@ def run(params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2) 
             "fit_s": statistics.median(f["fit_s"] for f in runs),
             "fit_over_none": statistics.median(paired),
             "stall_ms": 1000 * statistics.median(stall) if stall else 0.0,
+            "tail_ms": 1000 * statistics.median(f["tail_s"] for f in runs),
         }
     best = min(PEERS, key=lambda name: variants[name]["fit_over_none"])
 
@@ -164,7 +177,10 @@ def main() -> None:
     write("object_storage", result, ratios, "fit time over the fit without checkpoints", out=args.out)
     for name in VARIANTS:
         row = v[name]
-        print(f"{name:20} fit {row['fit_s']:6.2f}s  x{row['fit_over_none']:.2f}  stall {row['stall_ms']:7.1f} ms")
+        print(
+            f"{name:20} fit {row['fit_s']:6.2f}s  x{row['fit_over_none']:.2f}  stall {row['stall_ms']:7.1f} ms  "
+            f"tail {row['tail_ms']:6.1f} ms"
+        )
     print(
         f"ours (bucket) / best peer ({result['best_peer']}), fit: {result['ours_bucket_over_best_peer_fit']:.3f} "
         f"(S3's path {result['ours_s3_path_over_best_peer_fit']:.3f}); "
