@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import nn
 from torch.utils.data import Dataset
 
-from lightning_accel import ResumableDataLoader
+from lightning_accel import PreemptionCheckpoint, ResumableDataLoader
 
 SAMPLES, BATCH, SEED = 96, 4, 11
 
@@ -55,17 +55,32 @@ class FleetNet(LightningModule):
 
 
 class Record(Callback):
-    """Appends each micro-batch to ``folder/<pid>.jsonl``; sleeps ``delay_s`` per batch so the test can act mid-run."""
+    """Appends each micro-batch to ``folder/<pid>.jsonl``; sleeps ``delay_s`` per batch so the test can act mid-run.
 
-    def __init__(self, folder: str, delay_s: float = 0.0) -> None:
+    ``hold_from_step``: a group of one rank holds before each batch from that global step on, up to ``hold_s``, for
+    the node the test brings in: that node's agent then regroups a run that has not finished, however long its start
+    takes on a slow machine (without the hold, the one rank left could finish the run first, and a join after the
+    end is, rightly, no membership change).
+    """
+
+    def __init__(self, folder: str, delay_s: float = 0.0, hold_from_step: int | None = None, hold_s: float = 90.0):
         self.folder, self.delay_s = Path(folder), delay_s
+        self.hold_from_step, self.hold_s = hold_from_step, hold_s
 
     def on_train_start(self, trainer, pl_module):
         self.folder.mkdir(parents=True, exist_ok=True)
         self.group = {"world_size": trainer.world_size, "from_step": trainer.global_step}
         self.file = open(self.folder / f"{os.getpid()}.jsonl", "a")  # open for the whole fit
+        self.held = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        due = self.hold_from_step is not None and trainer.global_step >= self.hold_from_step
+        if due and trainer.world_size == 1 and not self.held:  # until the agent stops this worker for the new node
+            self.held = True
+            stops = [cb.stop_signals for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)]
+            deadline = time.monotonic() + self.hold_s
+            while time.monotonic() < deadline and not any(stop.received is not None for stop in stops):
+                time.sleep(0.1)
         ids = batch[2].tolist()
         record = {**self.group, "rank": trainer.global_rank, "step": trainer.global_step, "ids": ids}
         self.file.write(json.dumps(record) + "\n")

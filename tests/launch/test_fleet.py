@@ -116,7 +116,11 @@ def expected_batches(epochs: int = EPOCHS) -> dict[int, list[list[int]]]:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_node_vanishes_and_another_joins_and_every_sample_is_trained_once(tmp_path):
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(root=tmp_path, epochs=EPOCHS, accumulate=ACCUMULATE_AT_2))
+    recipe = RECIPE.format(root=tmp_path, epochs=EPOCHS, accumulate=ACCUMULATE_AT_2)
+    # the rank left alone holds at step 10 (a checkpoint at world size 1 is saved by then) until node c joins
+    recipe = recipe.replace("delay_s: 0.12}", "delay_s: 0.12, hold_from_step: 10}")
+    assert "hold_from_step" in recipe
+    (tmp_path / "recipe.yaml").write_text(recipe)
     trained = tmp_path / "trained"
 
     port = free_port()
@@ -153,8 +157,11 @@ def test_ray_trains_on_when_a_node_vanishes_and_grows_back_when_one_joins(tmp_pa
     our checkpoint at world size 1; a node added at step 6 makes Ray's elastic policy grow the group back to 2, which
     resumes at 2. Every optimizer step trains the global order's 4 micro-batches; the ledger has both changes."""
     pytest.importorskip("ray.train", reason="Ray Train is the optional [ray] extra (make test installs it)")
-    epochs = 6  # long enough at one worker for Ray to notice the new node and regroup before the end
-    recipe = RECIPE.format(root=tmp_path, epochs=epochs, accumulate=ACCUMULATE_AT_2).replace("0.12", "0.2")
+    epochs = 4
+    recipe = RECIPE.format(root=tmp_path, epochs=epochs, accumulate=ACCUMULATE_AT_2)
+    # the worker left alone holds at step 8 (its checkpoint saved) until Ray regroups for the node added at step 6
+    recipe = recipe.replace("delay_s: 0.12}", "delay_s: 0.2, hold_from_step: 8}")
+    assert "hold_from_step" in recipe
     (tmp_path / "recipe.yaml").write_text(recipe)
     script = [sys.executable, str(ROOT / "tests/launch/ray_fleet.py"), str(tmp_path), "5", "6"]
     result = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True, timeout=900)
