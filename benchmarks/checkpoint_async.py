@@ -57,6 +57,7 @@ class StepTimes(Callback):
     def __init__(self) -> None:
         self.times: list[float] = []
         self._start: float | None = None
+        self.ended_at = 0.0  # perf_counter at on_train_end: what follows, to fit returning, is teardown's wait
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         now = time.perf_counter()
@@ -65,8 +66,9 @@ class StepTimes(Callback):
         self._start = now
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.ended_at = time.perf_counter()
         if self._start is not None:
-            self.times.append(time.perf_counter() - self._start)
+            self.times.append(self.ended_at - self._start)
 
 
 class DCPAsyncSave(Callback):

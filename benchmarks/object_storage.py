@@ -64,18 +64,9 @@ VARIANTS = (
 PEERS = ("lightning_s3", "lightning_s3_async", "dcp_async_s3")
 
 
-class TrainEnd(Callback):
-    """When training ended (``on_train_end``): what follows, to ``fit`` returning, is the wait for the last save."""
-
-    at = 0.0
-
-    def on_train_end(self, *args: Any) -> None:
-        self.at = time.perf_counter()
-
-
 def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[str, Any]:
-    timer, train_end = StepTimes(), TrainEnd()
-    callbacks: list[Callback] = [timer, train_end]
+    timer = StepTimes()
+    callbacks: list[Callback] = [timer]
     extra: dict[str, Any] = {}
     if variant.startswith("ours"):
         callbacks.append(PreemptionCheckpoint(where, every_n_steps=every, keep_last=2, async_save=True))
@@ -96,7 +87,7 @@ def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[s
     with probe if s3_path else contextlib.nullcontext():
         trainer.fit(model, datamodule=data)  # each variant's teardown waits for its last write (ours: the upload)
     end = time.perf_counter()
-    return {"fit_s": end - start, "stall_s": stall, "tail_s": end - train_end.at}
+    return {"fit_s": end - start, "stall_s": stall, "tail_s": end - timer.ended_at}
 
 
 def resume_seconds(url: str, cache: Path) -> float:

@@ -327,10 +327,11 @@ def remove_objects(fs: AbstractFileSystem, paths: list[str]) -> None:
         for path in paths:
             fs.rm_file(path)
         return
-    bucket = paths[0].partition("/")[0]
-    keys = [{"Key": path.partition("/")[2]} for path in paths if path.partition("/")[0] == bucket]
-    if len(keys) != len(paths):
+    buckets = {path.partition("/")[0] for path in paths}
+    if len(buckets) != 1:
         raise ValueError(f"remove_objects takes the objects of one bucket, got {paths}")
+    (bucket,) = buckets
+    keys = [{"Key": path.partition("/")[2]} for path in paths]
     answer = fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
     for path in paths:
         fs.invalidate_cache(path)

@@ -52,6 +52,10 @@ class Corrupting:
         return getattr(self.fs, name)
 
 
+def flip_a_byte(body: bytes) -> bytes:
+    return body[:10] + bytes([body[10] ^ 1]) + body[11:]
+
+
 class Checking(Corrupting):
     """A store that checks the CRC32 sent with an object against the body it received, as S3 does (moto does not)."""
 
@@ -94,13 +98,12 @@ def test_an_upload_is_confirmed_and_a_store_that_keeps_other_bytes_is_caught(s3,
     fs, bucket = s3
     staged = tmp_path / "step=00000004.ckpt"
     staged.write_bytes(bytes(range(256)) * 400)
-    flipped = lambda body: body[:10] + bytes([body[10] ^ 1]) + body[11:]  # noqa: E731
     for checks, store in ((False, fs), (True, Checking(fs))):
         upload(store, staged, f"{bucket}/run/{staged.name}", store_checks_crc32=checks)
         assert fs.cat_file(f"{bucket}/run/{staged.name}") == staged.read_bytes()
         refused = r"BadDigest" if checks else r"the store's checksum [0-9a-f]{32} is not the staged file's"
         for damaged in (
-            Corrupting(store, flipped),
+            Corrupting(store, flip_a_byte),
             Corrupting(store, lambda body: body[:-10]),
             RetriedWhereItStopped(store, damage=None),
         ):
@@ -121,9 +124,8 @@ def test_uploads_send_no_checksum_of_botocores_own_and_are_still_confirmed(s3, t
     staged.write_bytes(bytes(range(256)) * 400)
     upload(uploads, staged, f"{bucket}/run/{staged.name}")
     assert fs.cat_file(f"{bucket}/run/{staged.name}") == staged.read_bytes()  # the same store and credentials
-    flipped = lambda body: body[:10] + bytes([body[10] ^ 1]) + body[11:]  # noqa: E731
     with pytest.raises(StoreError, match=r"the store's checksum [0-9a-f]{32} is not the staged file's"):
-        upload(Corrupting(uploads, flipped), staged, f"{bucket}/run/damaged.ckpt")
+        upload(Corrupting(uploads, flip_a_byte), staged, f"{bucket}/run/damaged.ckpt")
     memory = fsspec.filesystem("memory")
     assert for_uploads(memory) is memory
 
