@@ -47,6 +47,9 @@ T = TypeVar("T")
 
 # s3fs uploads in parts of this size (its own default, passed explicitly so the multipart ETag can be recomputed)
 PART_BYTES = 50 * 2**20
+# Files up to this size go up from memory. botocore asks the store for "100 Continue" before sending a body read from
+# a file, whatever its size: a round trip that is most of a manifest's upload on a real network.
+SMALL_BYTES = 2**20
 
 
 CRC_PROBE_BODY = b"does this store check the CRC32 it is sent?"
@@ -291,7 +294,8 @@ def upload(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32:
 
 
 def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32: bool) -> None:
-    """One ``PutObject`` whose body is read from the staged file as it is sent (no copy of it in memory).
+    """One ``PutObject`` whose body is read from the staged file as it is sent (no copy of it in memory; a file of up
+    to ``SMALL_BYTES`` is sent from memory, which spares the round trip botocore's "100 Continue" costs).
 
     A store that checks CRC32s gets the staged file's: it refuses the object unless what it received matches, and
     answers with the value. Any other store's answer carries its ETag, the MD5 of what it kept (unencrypted, one
@@ -300,21 +304,30 @@ def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_c
     """
     bucket, _, key = remote.partition("/")
     checksum = {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": _crc32_of(local)} if store_checks_crc32 else {}
-    # the MD5 an ETag is compared with is computed while the body is sent (hashlib lets go of the GIL)
-    hasher = None if store_checks_crc32 else ThreadPoolExecutor(1, thread_name_prefix="accel-md5")
-    md5 = hasher.submit(_md5_of, local, False) if hasher is not None else None
-    try:
-        with open(local, "rb") as body:
-            answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, **checksum)
-    finally:
-        if hasher is not None:
-            hasher.shutdown()
+    md5: Callable[[], str] | None = None  # the staged file's MD5, for a store whose ETag is the evidence
+    if local.stat().st_size <= SMALL_BYTES:  # a manifest, a run file: sent from memory
+        body = local.read_bytes()
+        answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, **checksum)
+        if not store_checks_crc32:
+            digest = hashlib.md5(body, usedforsecurity=False).hexdigest()
+            md5 = lambda: digest  # noqa: E731
+    else:
+        # the MD5 an ETag is compared with is computed while the body is sent (hashlib lets go of the GIL)
+        hasher = None if store_checks_crc32 else ThreadPoolExecutor(1, thread_name_prefix="accel-md5")
+        pending = hasher.submit(_md5_of, local, False) if hasher is not None else None
+        try:
+            with open(local, "rb") as file_body:
+                answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=file_body, **checksum)
+        finally:
+            if hasher is not None:
+                hasher.shutdown()
+        md5 = pending.result if pending is not None else None
     fs.invalidate_cache(remote)
     if store_checks_crc32 and answer.get("ChecksumCRC32") == checksum["ChecksumCRC32"]:
         return
     etag = str(answer.get("ETag") or "").strip('"')
     if md5 is not None and len(etag) == 32:  # an MD5 (an encrypted object's ETag is not: HEAD below)
-        if etag != md5.result():
+        if etag != md5():
             raise StoreError(f"{redact(remote)}: the store's checksum {etag} is not the staged file's: not confirmed")
         return
     confirm_upload(fs, remote, local, store_checks_crc32)
