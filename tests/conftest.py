@@ -137,12 +137,15 @@ def s3_server():
 @pytest.fixture
 def bucket(s3_server, request, tmp_path, monkeypatch):
     """A new bucket on the test server (its name from the test's), and a fresh local cache: an empty machine."""
+    import hashlib
     import re
 
     import fsspec
     import s3fs
 
-    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{os.getpid()}"
+    # the test's name, cut short, and a digest of the whole (the cases of a parametrized test share its start)
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:31].strip("-") + f"-{digest}-{os.getpid()}"
     s3_server.restore()  # forwarding, whatever the test before left
     # new clients for this test: a test before may have cut the pooled connections of the cached ones (the proxy's
     # refuse/stall), and with AWS_MAX_ATTEMPTS=1 botocore does not retry a reset one

@@ -10,13 +10,13 @@ in an object store, and none is needed.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import queue
 import shutil
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_accel.checkpoint.bucket_listing import list_bucket_manifests
 from lightning_accel.checkpoint.durable import MANIFEST_SUFFIX, manifest_path, parse_manifest
 from lightning_accel.checkpoint.sharded import folder_files
 from lightning_accel.storage import (
@@ -40,14 +41,51 @@ from lightning_accel.storage import (
     store_checks_crc32,
     upload,
 )
-from lightning_accel.storage.shards import folder_entries
 
-__all__ = ["BucketPublisher", "Publication", "confirm_objects", "list_bucket_manifests"]
+__all__ = ["BucketPublisher", "Publication"]
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 20.0  # how long fit start waits for an unreachable store before refusing to train
 RETRY_BACKOFF_S = (0.5, 30.0)  # an upload's retries: the first wait, doubled up to the cap
+
+
+class _Serial:
+    """Calls run one at a time, in order, on a daemon thread started at the first. Not an executor: a call stuck on
+    a store that stopped answering must not hold the process past its exit (the interpreter joins an executor's
+    threads, and SIGKILL would then come first)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._todo: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, future: Future[Any] | None = None) -> Future[Any]:
+        future = future or Future()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self._todo.put((fn, args, future))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            fn, args, future = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:
+                future.set_exception(err)
+
+    def close(self, join: bool) -> None:
+        """Stop once the calls queued are done (``join``: wait for them)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._todo.put(None)
+            if join:
+                thread.join()
 
 
 @dataclass
@@ -70,7 +108,10 @@ class BucketPublisher:
 
     One upload at a time, in order. A store that does not answer is retried with backoff while training goes on
     (logged once); a checkpoint overtaken by a newer one before it reached the store is given up, with a log line.
-    :meth:`wait` bounds the wait for the newest one (a preemption's deadline).
+    When uploads fall behind the saves (a slow link), a queued checkpoint with ``keep_last`` newer ones queued behind
+    it is not uploaded at all: retention would delete it as soon as they are in the store, so the bucket ends the same
+    and the newest checkpoint gets there sooner. After :meth:`prefer_newest` (a preemption) only the newest queued
+    one goes up. :meth:`wait` bounds the wait for the newest one (a preemption's deadline).
     """
 
     def __init__(self, url: str, keep_last: int | None, grace_period_s: float, backoff: Backoff | None = None) -> None:
@@ -82,13 +123,16 @@ class BucketPublisher:
         self.outage = OutageLog(self.url)
         self.durable: list[Publication] = []  # confirmed in the store, oldest first
         self._queue: list[Publication] = []
-        self._todo: queue.Queue[Publication | None] = queue.Queue()
-        self._worker: threading.Thread | None = None
+        self._uploads = _Serial("accel-upload")
+        # retention runs beside the next upload, not before it: it deletes only what a confirmed newer one replaced
+        self._retention = _Serial("accel-retention")
+        self._pruning: list[Future[None]] = []
         self._lock = threading.Lock()
         self._warned_slow = False
         self._ours: dict[str, tuple[int, bool]] | None = None  # this run's checkpoints in the bucket: step, folder?
         self.store_checks_crc32 = False  # asked at fit start (check_writable): how an upload is confirmed
         self.cancelled = False
+        self._newest_only = False  # set at a preemption: the queued checkpoints before the newest are not uploaded
 
     # -- fit start ---------------------------------------------------------------------------------------------
     def check_writable(self, run_id: str) -> None:
@@ -105,23 +149,27 @@ class BucketPublisher:
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm_file(probe)
 
-        try:
-            retrying(
-                write_probe,
-                self.outage,
-                "writing a probe object",
-                deadline=deadline,
-                backoff=Backoff(0.5, 4),
-                final=(FileNotFoundError, PermissionError),  # no such bucket, no right to write: no use waiting
-            )
-            abort_stale_uploads(self.fs, self.root)
-        except (StoreError, OSError) as err:
-            raise StoreError(
-                f"PreemptionCheckpoint cannot write to {redact(self.url)}: {err}. Check that the bucket exists, "
-                "that this machine's credentials may write to it (the backend's standard chain: AWS_* variables, "
-                "profile or instance role; GCP application default credentials; AZURE_STORAGE_* variables) and, "
-                "for an S3-compatible server, AWS_ENDPOINT_URL"
-            ) from None
+        # the stale uploads are listed while the probe waits on the store (one wait at fit start, not two)
+        with ThreadPoolExecutor(1, thread_name_prefix="accel-stale") as pool:
+            stale = pool.submit(abort_stale_uploads, self.fs, self.root)
+            try:
+                retrying(
+                    write_probe,
+                    self.outage,
+                    "writing a probe object",
+                    deadline=deadline,
+                    backoff=Backoff(0.5, 4),
+                    final=(FileNotFoundError, PermissionError),  # no such bucket, no right to write: no use waiting
+                )
+                if stale.exception() is not None:  # the store answers now (the probe got through): once more
+                    abort_stale_uploads(self.fs, self.root)
+            except (StoreError, OSError) as err:
+                raise StoreError(
+                    f"PreemptionCheckpoint cannot write to {redact(self.url)}: {err}. Check that the bucket exists, "
+                    "that this machine's credentials may write to it (the backend's standard chain: AWS_* variables, "
+                    "profile or instance role; GCP application default credentials; AZURE_STORAGE_* variables) and, "
+                    "for an S3-compatible server, AWS_ENDPOINT_URL"
+                ) from None
         if hasattr(self.fs, "call_s3") and not self.store_checks_crc32:
             log.info(
                 "object store %s does not check the CRC32 sent with an upload (moto, some S3-compatible servers): "
@@ -135,12 +183,7 @@ class BucketPublisher:
         pub = Publication(local, step, write, staged_s, future=Future())
         with self._lock:
             self._queue.append(pub)
-            if self._worker is None:
-                # a daemon thread, not an executor: an upload stuck on a dead store must not hold the process
-                # past its exit (the interpreter joins executor threads, and SIGKILL would then come first)
-                self._worker = threading.Thread(target=self._work, name="accel-upload", daemon=True)
-                self._worker.start()
-        self._todo.put(pub)
+        self._uploads.submit(self._publish, pub, future=pub.future)
         return pub
 
     def pending_steps(self) -> list[int]:
@@ -148,21 +191,38 @@ class BucketPublisher:
         with self._lock:
             return [pub.step for pub in self._queue]
 
-    def _work(self) -> None:
-        while (pub := self._todo.get()) is not None:
-            try:
-                self._publish(pub)
-            except BaseException as err:
-                pub.future.set_exception(err)
-            else:
-                pub.future.set_result(None)
+    def prefer_newest(self) -> None:
+        """From now on, of the checkpoints queued and not yet uploading, only the newest goes up (a preemption: the
+        one the restart needs, first; an upload already under way finishes)."""
+        self._newest_only = True
 
     def _superseded(self, pub: Publication) -> bool:
         with self._lock:
             return self.cancelled or (bool(self._queue) and self._queue[-1] is not pub and pub in self._queue)
 
+    def _needless(self, pub: Publication) -> int:
+        """How many newer checkpoints are queued behind ``pub`` when that makes its upload needless (0 when not):
+        ``keep_last`` of them (retention would delete it once they are in the store), or any after
+        :meth:`prefer_newest`. Never the newest: the queue always makes progress."""
+        with self._lock:
+            newer = len(self._queue) - 1 - self._queue.index(pub) if pub in self._queue else 0
+        if newer and (self._newest_only or (self.keep_last is not None and newer >= self.keep_last)):
+            return newer
+        return 0
+
     def _publish(self, pub: Publication) -> None:
         try:
+            if newer := self._needless(pub):
+                log.info(
+                    "checkpoint step=%d is not uploaded to %s: %d newer one(s) are queued behind it (%s)",
+                    pub.step,
+                    redact(self.url),
+                    newer,
+                    "a preemption: the newest goes first"
+                    if self._newest_only
+                    else f"keep_last={self.keep_last} would delete it once they are in the store",
+                )
+                return
             if pub.write is not None and pub.write.future is not None:
                 pub.write.future.result()  # durable on local disk first (a failed write is the writer's error)
                 pub.staged_s = pub.write.seconds or pub.staged_s
@@ -194,8 +254,8 @@ class BucketPublisher:
                 "checkpoint %s is in the store (%.1f MB in %.2f s)", redact(pub.url), pub.bytes / 1e6, pub.upload_s
             )
             self._warn_if_slow(pub)
-            # before the queue lets go of it: whoever waits for the queue (the end of a fit) waits for retention
-            self.prune(pub)
+            with self._lock:  # (before the queue lets go of it: whoever waits for the queue waits for this too)
+                self._pruning.append(self._retention.submit(self.prune, pub))
         except StoreError as err:
             if not self.cancelled:
                 log.warning(
@@ -231,13 +291,21 @@ class BucketPublisher:
         with self._lock:
             pending = list(self._queue)
         for pub in pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                pub.future.result(timeout=timeout)
+                pub.future.result(timeout=_left(deadline))
             except FutureTimeout:
                 return False
             except Exception as err:
                 log.warning("checkpoint step=%d was not uploaded: %s: %s", pub.step, type(err).__name__, err)
+        with self._lock:
+            pruning, self._pruning = self._pruning, []
+        for future in pruning:  # retention of the uploads done: within the deadline, never instead of them
+            try:
+                future.result(timeout=_left(deadline))
+            except FutureTimeout:
+                break
+            except Exception as err:
+                log.warning("retention in %s failed: %s: %s", redact(self.url), type(err).__name__, err)
         return not pending or pending[-1].url is not None
 
     def newest(self) -> Publication | None:
@@ -248,12 +316,8 @@ class BucketPublisher:
         """Stop the upload thread once the queue is done (``cancel``: give up the uploads still queued, as at a
         missed deadline; an upload in a store's call finishes or fails in the background)."""
         self.cancelled = self.cancelled or cancel
-        with self._lock:
-            worker, self._worker = self._worker, None
-        if worker is not None:
-            self._todo.put(None)
-            if not cancel:
-                worker.join()
+        self._uploads.close(join=not cancel)
+        self._retention.close(join=not cancel)
 
     # -- retention ---------------------------------------------------------------------------------------------
     def prune(self, newest: Publication) -> None:
@@ -293,6 +357,10 @@ class BucketPublisher:
             del self._ours[name]
 
 
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def _run_id(local: Path) -> str | None:
     manifest = parse_manifest(manifest_path(local).read_bytes()) if manifest_path(local).is_file() else None
     return (manifest or {}).get("run_id")
@@ -304,45 +372,3 @@ def _remove_local(path: Path) -> None:
     else:
         path.unlink(missing_ok=True)
     manifest_path(path).unlink(missing_ok=True)
-
-
-def list_bucket_manifests(fs: Any, root: str, pattern: str = "*.ckpt") -> list[tuple[int, str, dict[str, Any]]]:
-    """(global step, checkpoint name, manifest) of every checkpoint whose manifest in the bucket can be trusted
-    as a manifest; undecodable ones are skipped with a warning."""
-    fs.invalidate_cache(root)
-    found = []
-    try:
-        names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-    except FileNotFoundError:
-        return []
-    for manifest_name in names:
-        if not manifest_name.endswith(MANIFEST_SUFFIX):
-            continue
-        name = manifest_name[: -len(MANIFEST_SUFFIX)]
-        if not fnmatch.fnmatch(name, pattern):
-            continue
-        manifest = parse_manifest(fs.cat_file(join(root, manifest_name)))
-        if manifest is None:
-            rank_zero_warn(f"Skipping checkpoint {name} in {redact(root)}: its manifest is not readable JSON")
-            continue
-        step = manifest.get("global_step")
-        found.append((step if isinstance(step, int) else -1, name, manifest))
-    return found
-
-
-def confirm_objects(fs: Any, root: str, name: str, manifest: dict[str, Any]) -> str | None:
-    """``None`` when every object the manifest names is in the store with its size; else what is wrong."""
-    try:
-        if manifest.get("kind") == "folder":
-            entries = folder_entries(manifest)
-            if entries is None:
-                return "its manifest's list of files is not one of ours (not trusted)"
-            for rel, entry in entries.items():
-                size = fs.info(join(root, name, rel)).get("size")
-                if size != entry["bytes"]:
-                    return f"{rel}: {size} bytes in the store, {entry['bytes']} in the manifest"
-            return None
-        size = fs.info(join(root, name)).get("size")
-    except FileNotFoundError:
-        return "an object the manifest names is missing from the store"
-    return None if size == manifest.get("bytes") else f"{size} bytes in the store, {manifest.get('bytes')} recorded"

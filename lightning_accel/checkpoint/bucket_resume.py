@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_accel.checkpoint.bucket import confirm_objects, list_bucket_manifests
+from lightning_accel.checkpoint.bucket_listing import confirm_objects, list_bucket_manifests
 from lightning_accel.checkpoint.durable import MANIFEST_SUFFIX, manifest_path
 from lightning_accel.checkpoint.verify import verify
 from lightning_accel.storage import (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +79,7 @@ class Destination:
                 stale.unlink(missing_ok=True)
             if local_error is None and self.url is not None:
                 self.publisher = BucketPublisher(self.url, keep_last, grace_period_s)
-                try:
-                    self.publisher.check_writable(run_id)
-                    self._fetch_run_files()
-                except StoreError as err:
-                    store_error = str(err)
+                store_error = self._probe_and_fetch(run_id)
         local_error, store_error = trainer.strategy.broadcast((local_error, store_error), src=0)
         if local_error is not None:
             raise OSError(local_error)
@@ -114,18 +111,39 @@ class Destination:
         if self.publisher is not None:
             self.publisher.submit(path, step, write, staged_s)
 
-    def _fetch_run_files(self) -> None:
+    def _probe_and_fetch(self, run_id: str) -> str | None:
+        """Rank 0: the store's fit-start probe (:meth:`BucketPublisher.check_writable`), with the run's files fetched
+        meanwhile (both wait on the store: one wait at fit start instead of two). The probe's error, if any."""
+        assert self.publisher is not None
+        store_error = None
+        with ThreadPoolExecutor(1, thread_name_prefix="accel-fetch") as pool:
+            fetched = pool.submit(self._fetch_run_files)
+            try:
+                self.publisher.check_writable(run_id)
+            except StoreError as err:
+                store_error = str(err)
+            fetch_error = fetched.result()
+        if store_error is not None:
+            return store_error  # (the fetch's own error is the same outage: not said twice)
+        if fetch_error is not None:  # the store answers now (the probe got through, maybe after retries): once more
+            fetch_error = self._fetch_run_files()
+        if fetch_error is not None:
+            log.warning("could not fetch this run's files from %s (%s): lost work is not counted", *fetch_error)
+        return None
+
+    def _fetch_run_files(self) -> tuple[str, str] | None:
         """An empty machine resuming from the bucket gets the run's files (the progress file a resumed attempt reads
-        to count the work it redoes, the last goodput.json) that it does not have yet."""
+        to count the work it redoes, the last goodput.json) that it does not have yet. ``(store, error)`` when the
+        store did not give them."""
         fs, root = filesystem(self.url or "")
         missing = lambda rel: is_run_file(rel) and not (self.local_dir / rel).exists()  # noqa: E731
         try:
             got = download_tree(fs, root, self.local_dir, missing)
-        except (OSError, ValueError) as err:
-            log.warning("could not fetch this run's files from %s (%s): lost work is not counted", redact(root), err)
-            return
+        except Exception as err:  # each backend raises its own kinds (aiohttp's connection errors are no OSError)
+            return redact(root), f"{type(err).__name__}: {err}"
         if got:
             log.info("fetched %d run file(s) from %s", len(got), redact(self.url or ""))
+        return None
 
     def upload_run_files(self, deadline: float) -> None:
         """Rank 0: put the run files of the local folder (``goodput.json``, the progress file, ``profile/``,
@@ -160,6 +178,7 @@ class Destination:
         if self.publisher is None:
             return None
         deadline = began + grace_period_s - EXIT_MARGIN_S
+        self.publisher.prefer_newest()
         queued = self.publisher.pending_steps()
         in_time = self.publisher.wait(deadline)
         newest = self.publisher.newest()

@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 
 from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
 from lightning_accel.checkpoint import atomic_save, verify
-from lightning_accel.checkpoint.bucket import list_bucket_manifests
+from lightning_accel.checkpoint.bucket_listing import list_bucket_manifests
 from lightning_accel.checkpoint.durable import manifest_path, read_manifest
 from lightning_accel.monitor.progress import PROGRESS_FILE, last_progress_time, read_highest_step
 from lightning_accel.profile.doctor import load_run
@@ -174,7 +174,7 @@ def test_no_reader_raises_on_a_hostile_folder_manifest(tmp_path_factory, files):
     """A folder manifest that is valid JSON with anything as its list of files (a list, sizes that are not sizes,
     paths leaving the folder): the search, the bucket's check, a rank's shard check and the download all judge it,
     and none raises."""
-    from lightning_accel.checkpoint.bucket import confirm_objects
+    from lightning_accel.checkpoint.bucket_listing import confirm_objects
     from lightning_accel.checkpoint.sharded import verify_folder
     from lightning_accel.storage.shards import check_share, folder_entries
 
