@@ -57,12 +57,15 @@ class StepTimes(Callback):
     def __init__(self) -> None:
         self.times: list[float] = []
         self._start: float | None = None
+        self.started_at = 0.0  # perf_counter at the first batch: what comes before it is the fit's start-up
         self.ended_at = 0.0  # perf_counter at on_train_end: what follows, to fit returning, is teardown's wait
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         now = time.perf_counter()
         if self._start is not None:
             self.times.append(now - self._start)
+        else:
+            self.started_at = now
         self._start = now
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

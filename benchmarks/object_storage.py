@@ -19,12 +19,18 @@ momentum), a checkpoint every ``--every`` steps.
 - ``dcp_async_s3``: ``torch.distributed.checkpoint.async_save(state, checkpoint_id="s3://...")`` (DCP picks its fsspec
   writer for the URL), one save in flight.
 
-Reported: fit time over ``none``, the stall (the saving callback's ``on_train_batch_end`` at a saving step), the
-tail (from the end of training, ``on_train_end``, to ``fit`` returning: the wait for the last save to reach the
-store), and the time to resume from the bucket on an empty machine (find the newest checkpoint, download it, load
-it).
+Reported: fit time over ``none``, the start (``fit`` called to the first batch: ours probes the store there), the
+stall (the saving callback's ``on_train_batch_end`` at a saving step), the tail (from the end of training,
+``on_train_end``, to ``fit`` returning: the wait for the last save to reach the store), and the time to resume from
+the bucket on an empty machine (find the newest checkpoint, download it, load it).
 
-    python -m benchmarks.object_storage [--params-m 4] [--steps 40] [--every 10] [--rounds 2]
+Each ``--links`` entry is a set of rounds of its own. ``local`` talks to the server on 127.0.0.1 directly: no wire at
+all, so every byte sent costs CPU on the two cores that also train, and nothing can overlap a wait. ``MB_S:LATENCY_MS``
+puts a modelled network between the client and the server (a proxy in a process of its own,
+``tests.helpers.object_stores.Link``): that bandwidth each way shared by every connection, and that latency one way,
+as between a cloud instance and its region's bucket. The PNG plots ours over the best peer for each.
+
+    python -m benchmarks.object_storage [--params-m 4] [--steps 40] [--every 10] [--rounds 2] [--links local,100:10]
 """
 
 from __future__ import annotations
@@ -41,16 +47,19 @@ from typing import Any
 from unittest import mock
 
 import fsspec
+import s3fs
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from benchmarks.checkpoint_async import DCPAsyncSave, MomentumMLP, StepTimes, _time_saving_hook
-from benchmarks.harness import RESULTS, quiet_trainer, write
+from benchmarks.harness import RESULTS, quiet_trainer, save_figure, write_json
 from lightning_accel import PreemptionCheckpoint, find_resume_checkpoint
+from lightning_accel.checkpoint import bucket as bucket_module
 from lightning_accel.demos import SyntheticClassificationDataModule
-from tests.helpers.object_stores import MotoServer, s3_env
+from lightning_accel.figures import pyplot
+from tests.helpers.object_stores import Link, LinkProcess, MotoServer, s3_env
 
 VARIANTS = (
     "none",
@@ -62,6 +71,7 @@ VARIANTS = (
     "dcp_async_s3",
 )
 PEERS = ("lightning_s3", "lightning_s3_async", "dcp_async_s3")
+_real_probe = bucket_module.store_checks_crc32
 
 
 def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[str, Any]:
@@ -82,12 +92,18 @@ def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[s
     trainer = quiet_trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, **extra)
     data = SyntheticClassificationDataModule(num_samples=16 * steps, input_dim=hidden, batch_size=16)
     s3_path = variant == "ours_bucket_s3_path"
-    probe = mock.patch("lightning_accel.checkpoint.bucket.store_checks_crc32", return_value=True)
+    # the probe's requests are still made (S3 answers a third: the wrong CRC32 refused, the right one taken)
+    probe = mock.patch.object(bucket_module, "store_checks_crc32", lambda fs, key: _real_probe(fs, key) or True)
     start = time.perf_counter()
     with probe if s3_path else contextlib.nullcontext():
         trainer.fit(model, datamodule=data)  # each variant's teardown waits for its last write (ours: the upload)
     end = time.perf_counter()
-    return {"fit_s": end - start, "stall_s": stall, "tail_s": end - timer.ended_at}
+    return {
+        "fit_s": end - start,
+        "start_s": timer.started_at - start,
+        "stall_s": stall,
+        "tail_s": end - timer.ended_at,
+    }
 
 
 def resume_seconds(url: str, cache: Path) -> float:
@@ -100,10 +116,22 @@ def resume_seconds(url: str, cache: Path) -> float:
     return time.perf_counter() - start
 
 
-def run(params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2) -> dict[str, Any]:
+def parse_link(text: str) -> Link | None:
+    """``local`` (no network between client and server) or ``MB_S:LATENCY_MS``."""
+    if text == "local":
+        return None
+    mb_s, _, latency_ms = text.partition(":")
+    return Link(float(mb_s), float(latency_ms or 0))
+
+
+def run(
+    params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2, link: Link | None = None
+) -> dict[str, Any]:
     hidden = int((params_m * 1e6 / 3) ** 0.5)
     server = MotoServer().start()
-    os.environ.update(s3_env(server.url))
+    wire = LinkProcess(server.port, link).start() if link is not None else None
+    os.environ.update(s3_env(wire.url if wire is not None else server.url))
+    s3fs.S3FileSystem.clear_instance_cache()  # clients of this endpoint, not of an earlier link's
     fs = fsspec.filesystem("s3")
     fits: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     resume: list[float] = []
@@ -120,6 +148,8 @@ def run(params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2) 
                 resume.append(resume_seconds(f"s3://{bucket}/ours_bucket", Path(tmp) / f"empty-{r}"))
                 os.environ["LIGHTNING_ACCEL_CACHE_DIR"] = str(Path(tmp) / "cache")
     finally:
+        if wire is not None:
+            wire.stop()
         server.stop()
     variants = {}
     for variant, runs in fits.items():
@@ -128,6 +158,7 @@ def run(params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2) 
         variants[variant] = {
             "fit_s": statistics.median(f["fit_s"] for f in runs),
             "fit_over_none": statistics.median(paired),
+            "start_ms": 1000 * statistics.median(f["start_s"] for f in runs),
             "stall_ms": 1000 * statistics.median(stall) if stall else 0.0,
             "tail_ms": 1000 * statistics.median(f["tail_s"] for f in runs),
         }
@@ -137,6 +168,7 @@ def run(params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2) 
         return statistics.median(o["fit_s"] / p["fit_s"] for o, p in zip(fits[ours], fits[best], strict=True))
 
     return {
+        "link": "local" if link is None else {"mb_s": link.mb_s, "latency_ms": link.latency_ms},
         "params_m": params_m,
         "checkpoint_mb": params_m * 8,  # fp32 weights + momentum
         "steps": steps,
@@ -153,31 +185,65 @@ def run(params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2) 
     }
 
 
+def link_label(text: str) -> str:
+    link = parse_link(text)
+    return "local" if link is None else f"{link.mb_s:g} MB/s, {link.latency_ms:g} ms"
+
+
+PEER_NAMES = {"lightning_s3": "Lightning", "lightning_s3_async": "Lightning async", "dcp_async_s3": "DCP async"}
+
+
+def plot(results: dict[str, dict[str, Any]], out: Path, name: str = "object_storage") -> None:
+    """Ours over the best peer, fit time, for each link: on moto, and on S3's path."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels, x = list(results), range(len(results))
+    for key, legend, offset in (
+        ("ours_bucket_over_best_peer_fit", "ours on moto (MD5 confirmations)", -0.2),
+        ("ours_s3_path_over_best_peer_fit", "ours on S3's path", 0.2),
+    ):
+        bars = ax.bar([i + offset for i in x], [results[label][key] for label in labels], width=0.4, label=legend)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ticks = [f"{label}\nbest peer: {PEER_NAMES[results[label]['best_peer']]}" for label in labels]
+    ax.set_xticks(list(x), ticks, fontsize=8)
+    ax.set_ylim(0, 1.45)
+    ax.set_ylabel("fit time, ours / best peer")
+    ax.set_title(f"{name}: checkpoints to a bucket, by the network in between")
+    ax.legend(fontsize=8, loc="upper right", ncols=2)
+    save_figure(fig, out / f"{name}.png")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params-m", type=float, default=4)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--links", default="local,100:10", help="comma-separated: local, or MB_S:LATENCY_MS")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = p.parse_args()
     torch.set_num_threads(2)
-    result = run(args.params_m, args.steps, args.every, args.rounds)
-    v = result["variants"]
-    ratios = {name: v[name]["fit_over_none"] for name in VARIANTS[1:]}
-    write("object_storage", result, ratios, "fit time over the fit without checkpoints", out=args.out)
-    for name in VARIANTS:
-        row = v[name]
+    results = {}
+    for text in args.links.split(","):
+        label = link_label(text)
+        results[label] = result = run(args.params_m, args.steps, args.every, args.rounds, parse_link(text))
+        v = result["variants"]
+        print(f"-- {label}")
+        for name in VARIANTS:
+            row = v[name]
+            print(
+                f"{name:20} fit {row['fit_s']:6.2f}s  x{row['fit_over_none']:.2f}  start {row['start_ms']:6.1f} ms  "
+                f"stall {row['stall_ms']:7.1f} ms  tail {row['tail_ms']:6.1f} ms"
+            )
         print(
-            f"{name:20} fit {row['fit_s']:6.2f}s  x{row['fit_over_none']:.2f}  stall {row['stall_ms']:7.1f} ms  "
-            f"tail {row['tail_ms']:6.1f} ms"
+            f"ours (bucket) / best peer ({result['best_peer']}), fit: {result['ours_bucket_over_best_peer_fit']:.3f} "
+            f"(S3's path {result['ours_s3_path_over_best_peer_fit']:.3f}); "
+            f"stall / ours local: {result['ours_bucket_stall_over_ours_local']:.2f}; "
+            f"resume from the bucket on an empty machine: {result['resume_from_bucket_s']:.2f} s"
         )
-    print(
-        f"ours (bucket) / best peer ({result['best_peer']}), fit: {result['ours_bucket_over_best_peer_fit']:.3f} "
-        f"(S3's path {result['ours_s3_path_over_best_peer_fit']:.3f}); "
-        f"stall / ours local: {result['ours_bucket_stall_over_ours_local']:.2f}; "
-        f"resume from the bucket on an empty machine: {result['resume_from_bucket_s']:.2f} s"
-    )
+    write_json("object_storage", {"links": results}, out=args.out)
+    plot(results, args.out)
 
 
 if __name__ == "__main__":

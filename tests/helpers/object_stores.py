@@ -9,6 +9,7 @@ answer again, without losing what the server holds. Both bind 127.0.0.1 only.
 from __future__ import annotations
 
 import os
+import queue
 import select
 import shutil
 import socket
@@ -18,9 +19,10 @@ import threading
 import time
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["AzuriteServer", "MotoServer", "Proxy", "free_port", "s3_env"]
+__all__ = ["AzuriteServer", "Link", "LinkProcess", "MotoServer", "Proxy", "free_port", "s3_env"]
 
 
 def free_port() -> int:
@@ -93,12 +95,34 @@ def s3_env(endpoint: str) -> dict[str, str]:
     }
 
 
+@dataclass
+class Link:
+    """A network between a client and its store, for a :class:`Proxy` to model: ``mb_s`` megabytes per second each
+    way, shared by every connection (one machine's link), and ``latency_ms`` one way. The store on 127.0.0.1 has
+    neither: a benchmark through this sees the wait a real bucket adds (the client's CPU is idle meanwhile)."""
+
+    mb_s: float
+    latency_ms: float = 0.0
+    _free: dict[str, float] = field(default_factory=lambda: {"up": 0.0, "down": 0.0}, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def delivery(self, direction: str, size: int) -> float:
+        """When ``size`` bytes sent now in ``direction`` reach the other end (monotonic): after the bytes queued
+        on the link before them, their own time on the wire, and the latency."""
+        with self._lock:
+            start = max(time.monotonic(), self._free[direction])
+            self._free[direction] = end = start + size / (self.mb_s * 1e6)
+        return end + self.latency_ms / 1e3
+
+
 class Proxy:
     """A TCP proxy on 127.0.0.1 to ``target_port``; :meth:`refuse` closes its port (connection refused),
-    :meth:`stall` takes connections and answers nothing, :meth:`restore` forwards again."""
+    :meth:`stall` takes connections and answers nothing, :meth:`restore` forwards again. With a ``link``, it forwards
+    at the link's bandwidth and latency instead (a benchmark's network; refuse and stall are not for it)."""
 
-    def __init__(self, target_port: int, port: int | None = None) -> None:
+    def __init__(self, target_port: int, port: int | None = None, link: Link | None = None) -> None:
         self.target_port = target_port
+        self.link = link
         self.target_url = f"http://127.0.0.1:{target_port}"  # the server itself, for a test's own look past a cut
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -130,7 +154,8 @@ class Proxy:
                 self._conns.append(client)
             if self.mode == "stall":
                 continue  # held open, never answered
-            threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
+            target = self._pipe if self.link is None else self._shaped
+            threading.Thread(target=target, args=(client,), daemon=True).start()
 
     def _pipe(self, client: socket.socket) -> None:
         try:
@@ -154,6 +179,41 @@ class Proxy:
         finally:
             client.close()
             upstream.close()
+
+    def _shaped(self, client: socket.socket) -> None:
+        """Forward both ways through :attr:`link`: each chunk is read at once and sent on at its delivery time."""
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self._conns.append(upstream)
+        for src, dst, direction in ((client, upstream, "up"), (upstream, client, "down")):
+            chunks: queue.Queue[tuple[float, bytes]] = queue.Queue()
+            threading.Thread(target=self._read_into, args=(src, chunks, direction), daemon=True).start()
+            threading.Thread(target=self._send_from, args=(chunks, dst), daemon=True).start()
+
+    def _read_into(self, src: socket.socket, chunks: queue.Queue, direction: str) -> None:
+        assert self.link is not None
+        try:
+            while data := src.recv(1 << 16):
+                chunks.put((self.link.delivery(direction, len(data)), data))
+        except OSError:
+            pass
+        chunks.put((0.0, b""))  # the end of the stream, sent on after the chunks before it
+
+    def _send_from(self, chunks: queue.Queue, dst: socket.socket) -> None:
+        try:
+            while True:
+                due, data = chunks.get()
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                time.sleep(max(0.0, due - time.monotonic()))
+                dst.sendall(data)
+        except OSError:
+            return
 
     def _drop_connections(self) -> None:
         with self._lock:
@@ -201,6 +261,40 @@ class Proxy:
             self.restore()
 
 
+class LinkProcess:
+    """A :class:`Proxy` with a :class:`Link`, in a process of its own (``python -m tests.helpers.object_stores``): its
+    threads then take no turns at the benchmark's interpreter lock, as a network would not."""
+
+    def __init__(self, target_port: int, link: Link) -> None:
+        self.target_port, self.link = target_port, link
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> LinkProcess:
+        args = [str(a) for a in (self.target_port, self.port, self.link.mb_s, self.link.latency_ms)]
+        root = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.object_stores", *args], cwd=root, stdout=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the link's proxy exited with {self.proc.returncode}") from None
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the link's proxy did not listen on 127.0.0.1:{self.port} within {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 AZURITE = Path(__file__).resolve().parents[2] / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
 # Azurite's well-known development account (documented by Microsoft; it opens nothing but the local emulator)
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -241,3 +335,9 @@ class AzuriteServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()  # its data is a test's temporary folder; SIGTERM left it running for seconds
             self.proc.wait()
+
+
+if __name__ == "__main__":  # LinkProcess: TARGET_PORT PORT MB_S LATENCY_MS
+    target, port, mb_s, latency_ms = sys.argv[1:5]
+    Proxy(int(target), int(port), Link(float(mb_s), float(latency_ms))).start()
+    threading.Event().wait()
