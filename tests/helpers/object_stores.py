@@ -154,10 +154,9 @@ class Proxy:
                 self._conns.append(client)
             if self.mode == "stall":
                 continue  # held open, never answered
-            target = self._pipe if self.link is None else self._shaped
-            threading.Thread(target=target, args=(client,), daemon=True).start()
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
 
-    def _pipe(self, client: socket.socket) -> None:
+    def _connect(self, client: socket.socket) -> None:
         try:
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
         except OSError:
@@ -165,6 +164,12 @@ class Proxy:
             return
         with self._lock:
             self._conns.append(upstream)
+        if self.link is None:
+            self._pipe(client, upstream)
+        else:
+            self._shaped(client, upstream)
+
+    def _pipe(self, client: socket.socket, upstream: socket.socket) -> None:
         pair = {client: upstream, upstream: client}
         try:
             while not self._stop.is_set() and self.mode == "forward":
@@ -180,15 +185,8 @@ class Proxy:
             client.close()
             upstream.close()
 
-    def _shaped(self, client: socket.socket) -> None:
+    def _shaped(self, client: socket.socket, upstream: socket.socket) -> None:
         """Forward both ways through :attr:`link`: each chunk is read at once and sent on at its delivery time."""
-        try:
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-        except OSError:
-            client.close()
-            return
-        with self._lock:
-            self._conns.append(upstream)
         for src, dst, direction in ((client, upstream, "up"), (upstream, client, "down")):
             chunks: queue.Queue[tuple[float, bytes]] = queue.Queue()
             threading.Thread(target=self._read_into, args=(src, chunks, direction), daemon=True).start()
@@ -261,6 +259,28 @@ class Proxy:
             self.restore()
 
 
+def _listening(proc: subprocess.Popen, port: int, what: str, timeout: float) -> None:
+    """Return once ``proc`` listens on 127.0.0.1:``port``; kill it and raise, naming ``what``, if it exits first or
+    does not listen within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}") from None
+            time.sleep(0.05)
+    _kill(proc)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s")
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 class LinkProcess:
     """A :class:`Proxy` with a :class:`Link`, in a process of its own (``python -m tests.helpers.object_stores``): its
     threads then take no turns at the benchmark's interpreter lock, as a network would not."""
@@ -277,22 +297,11 @@ class LinkProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.object_stores", *args], cwd=root, stdout=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return self
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the link's proxy exited with {self.proc.returncode}") from None
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the link's proxy did not listen on 127.0.0.1:{self.port} within {timeout} s")
+        _listening(self.proc, self.port, "the link's proxy", timeout)
+        return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        _kill(self.proc)
 
 
 AZURITE = Path(__file__).resolve().parents[2] / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
@@ -319,22 +328,11 @@ class AzuriteServer:
     def start(self, timeout: float = 30.0) -> AzuriteServer:
         cmd = [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", str(self.location)]
         self.proc = subprocess.Popen([*cmd, "--skipApiVersionCheck", "--loose"], stdout=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return self
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"azurite-blob exited with {self.proc.returncode}") from None
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"azurite-blob did not listen on 127.0.0.1:{self.port} within {timeout} s")
+        _listening(self.proc, self.port, "azurite-blob", timeout)
+        return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # its data is a test's temporary folder; SIGTERM left it running for seconds
-            self.proc.wait()
+        _kill(self.proc)  # its data is a test's temporary folder; SIGTERM left it running for seconds
 
 
 if __name__ == "__main__":  # LinkProcess: TARGET_PORT PORT MB_S LATENCY_MS
