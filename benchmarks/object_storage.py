@@ -223,11 +223,20 @@ def main() -> None:
     p.add_argument("--links", default="local,100:10", help="comma-separated: local, or MB_S:LATENCY_MS")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = p.parse_args()
+    links = {}
+    for text in args.links.split(","):
+        try:
+            link = parse_link(text)
+            usable = link is None or (link.mb_s > 0 and link.latency_ms >= 0)
+        except ValueError:
+            usable = False
+        if not usable:
+            p.error(f"--links: {text!r} is neither 'local' nor MB_S:LATENCY_MS with MB_S > 0 (e.g. 100:10)")
+        links[link_label(text)] = link
     torch.set_num_threads(2)
     results = {}
-    for text in args.links.split(","):
-        label = link_label(text)
-        results[label] = result = run(args.params_m, args.steps, args.every, args.rounds, parse_link(text))
+    for label, link in links.items():
+        results[label] = result = run(args.params_m, args.steps, args.every, args.rounds, link)
         v = result["variants"]
         print(f"-- {label}")
         for name in VARIANTS:
