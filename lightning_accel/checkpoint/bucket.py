@@ -129,6 +129,7 @@ class BucketPublisher:
         self._pruning: list[Future[None]] = []
         self._lock = threading.Lock()
         self._warned_slow = False
+        self._warned_behind = False
         self._ours: dict[str, tuple[int, bool]] | None = None  # this run's checkpoints in the bucket: step, folder?
         self.store_checks_crc32 = False  # asked at fit start (check_writable): how an upload is confirmed
         self.cancelled = False
@@ -222,6 +223,8 @@ class BucketPublisher:
                     if self._newest_only
                     else f"keep_last={self.keep_last} would delete it once they are in the store",
                 )
+                if not self._newest_only:
+                    self._warn_behind(pub, newer)
                 return
             if pub.write is not None and pub.write.future is not None:
                 pub.write.future.result()  # durable on local disk first (a failed write is the writer's error)
@@ -270,6 +273,22 @@ class BucketPublisher:
             with self._lock:
                 if pub in self._queue:
                     self._queue.remove(pub)
+
+    def _warn_behind(self, pub: Publication, newer: int) -> None:
+        """Once per fit: uploads do not keep up with the saves, so the bucket lags training."""
+        if self._warned_behind:
+            return
+        self._warned_behind = True
+        last = self.newest()
+        took = f" (the last one took {last.upload_s:.1f} s)" if last is not None and last.upload_s else ""
+        rank_zero_warn(
+            f"PreemptionCheckpoint: uploads to {redact(self.url)} fall behind the saves: {newer} newer checkpoints "
+            f"were saved while step={pub.step} waited for its upload{took}. The ones keep_last would delete at once "
+            "are left out, so the bucket ends the same, and a SIGTERM or cloud notice still uploads the newest first. "
+            "But a machine lost without warning loses the work since the newest checkpoint in the store, which lags "
+            "the last save. Fixes: save less often (every_n_steps / every_n_seconds), a bucket in the same region, or "
+            "a smaller checkpoint."
+        )
 
     def _warn_if_slow(self, pub: Publication) -> None:
         total = pub.staged_s + (pub.upload_s or 0.0)
