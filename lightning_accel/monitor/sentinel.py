@@ -164,7 +164,7 @@ class HangSentinel(Callback):
                 pass
         if not children:
             return
-        time.sleep(0.5)  # each child writes from its own signal handler
+        _wait_until_quiet(self._child_dump)  # each child writes from its own signal handler, when it is scheduled
         self._child_dump.seek(0)
         text = self._child_dump.read().decode(errors="replace")
         pids = ", ".join(str(c.pid) for c in children)
@@ -361,6 +361,17 @@ class HangSentinel(Callback):
             except psutil.Error:
                 pass
         os._exit(HANG_EXIT_CODE)  # the main thread is stuck: only a hard exit ends this process
+
+
+def _wait_until_quiet(file: IO[bytes], quiet_s: float = 0.3, limit_s: float = 3.0) -> None:
+    """Until ``file`` has not grown for ``quiet_s`` (and has something in it), or ``limit_s`` passed. A fixed wait cut
+    a busy machine's child dumps short after their first line."""
+    started = changed = time.monotonic()
+    size = os.fstat(file.fileno()).st_size
+    while time.monotonic() - started < limit_s and (size == 0 or time.monotonic() - changed < quiet_s):
+        time.sleep(0.05)
+        if (now := os.fstat(file.fileno()).st_size) != size:
+            size, changed = now, time.monotonic()
 
 
 def _worker_processes() -> list[psutil.Process]:

@@ -223,3 +223,34 @@ def test_work_after_the_last_step_is_never_taken_for_a_hang(tmp_path):
     trainer.fit(Quick(), DataLoader(TensorDataset(torch.randn(96, 4)), batch_size=4))
     assert sentinel.report is None and not (tmp_path / "hang").exists()
     assert sentinel.beat().phase == "finished" and sentinel.beat().allowance_s == float("inf")
+
+
+def test_a_childs_dump_is_read_once_it_has_stopped_growing_not_after_a_fixed_wait():
+    """Loader workers write their stacks from their own signal handlers, whenever a busy machine schedules them: the
+    sentinel reads the shared file once it has stopped growing (a fixed 0.5 s once cut a dump after its first
+    line), and gives up on an empty one at the limit."""
+    import tempfile
+    import threading
+
+    from lightning_accel.monitor.sentinel import _wait_until_quiet
+
+    with tempfile.TemporaryFile() as dump:
+
+        def slow_child() -> None:
+            for line in range(8):
+                time.sleep(0.1)
+                os.write(dump.fileno(), f"frame {line}\n".encode())
+
+        writer = threading.Thread(target=slow_child)
+        started = time.monotonic()
+        writer.start()
+        _wait_until_quiet(dump, quiet_s=0.5, limit_s=10)
+        dump.seek(0)
+        read = dump.read().decode().splitlines()  # what the sentinel reads when the wait returns
+        assert read == [f"frame {line}" for line in range(8)]
+        assert time.monotonic() - started >= 0.8 + 0.5  # every line, then the quiet time
+        writer.join()
+    with tempfile.TemporaryFile() as empty:
+        started = time.monotonic()
+        _wait_until_quiet(empty, quiet_s=0.1, limit_s=0.4)
+        assert 0.4 <= time.monotonic() - started < 2  # nobody wrote: the limit, not forever
