@@ -303,10 +303,13 @@ def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_c
     left it) fails either check and is tried again; an answer with neither value is asked again (HEAD).
     """
     bucket, _, key = remote.partition("/")
-    checksum = {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": _crc32_of(local)} if store_checks_crc32 else {}
+    body = local.read_bytes() if local.stat().st_size <= SMALL_BYTES else None  # a manifest, a run file: from memory
+    checksum = {}
+    if store_checks_crc32:  # of the bytes sent: the file's one read when they are in memory
+        crc32 = _crc32_of(local) if body is None else _as_s3_crc32(zlib.crc32(body))
+        checksum = {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32}
     md5: Callable[[], str] | None = None  # the staged file's MD5, for a store whose ETag is the evidence
-    if local.stat().st_size <= SMALL_BYTES:  # a manifest, a run file: sent from memory
-        body = local.read_bytes()
+    if body is not None:
         answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, **checksum)
         if not store_checks_crc32:
             digest = hashlib.md5(body, usedforsecurity=False).hexdigest()
