@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 PROBE = """
-import json, os, sys, torch
+import json, os, sys, tempfile, torch
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "x": os.environ.get("PROBE_X"),
+    "tmp": tempfile.gettempdir(),
     "forked": "lightning.pytorch" in sys.modules, "main": __name__, "threads": torch.get_num_threads()}))
 """
 
@@ -36,7 +37,8 @@ def zygote_on(zygote):
 def test_a_script_gets_its_command_folder_environment_and_paths_and_exits_with_its_code(zygote_on, tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE + "sys.exit(7)\n")
-    env = {**os.environ, "PROBE_X": "given", "OMP_NUM_THREADS": "1"}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PROBE_X": "given", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")}
     done = subprocess.run(
         [sys.executable, str(script), "a", "b"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
@@ -47,6 +49,7 @@ def test_a_script_gets_its_command_folder_environment_and_paths_and_exits_with_i
         "cwd": str(tmp_path),
         "path0": str(tmp_path),
         "x": "given",
+        "tmp": str(tmp_path / "tmp"),  # (the zygote's own was cached by the modules it preloaded)
         "forked": True,
         "main": "__main__",
         "threads": 1,

@@ -124,6 +124,7 @@ class Board(Protocol):
     def swap_verdict(self, expected: str, desired: str) -> str: ...
     def mark_dumped(self, rank: int) -> None: ...
     def all_dumped(self) -> bool: ...
+    def leave(self) -> None: ...  # this rank has published its last beat (a board on disk tidies up after the last)
 
 
 class LocalBoard:
@@ -154,6 +155,9 @@ class LocalBoard:
 
     def all_dumped(self) -> bool:
         return len(self.dumped) >= self.world_size
+
+    def leave(self) -> None:
+        pass  # nothing outside this object
 
 
 class StoreBoard:
@@ -205,6 +209,9 @@ class StoreBoard:
 
     def all_dumped(self) -> bool:
         return self.store.add(self._key("dumped"), 0) >= self.world_size
+
+    def leave(self) -> None:
+        pass  # the keys end with the job's store
 
 
 class StallClock:

@@ -9,8 +9,10 @@ serves 512 nodes' keys a poll instead of 4,096 ranks' (``benchmarks/scale.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -158,3 +160,17 @@ class NodeBoard:
 
     def all_dumped(self) -> bool:
         return self.job.all_dumped()
+
+    # -- the end of the fit --------------------------------------------------------------------------------------
+    def leave(self) -> None:
+        """This rank has published its last beat. The node's last rank to leave removes the node's folder (and the
+        job's, once no other node of the job meets on this machine): a fleet's nodes run fit after fit and restart
+        after restart, each in a folder of its own. Each rank marks itself gone before it looks, so the last to mark
+        sees every mark. Its beat file stays until then: the node's leader keeps sending it to the store, where the
+        ranks still training read that it finished. A rank that exits on a hang (76) never leaves, so a hung attempt's
+        folder stays, with its last beats."""
+        (self.folder / f"left-{self.local_rank}").touch()
+        if all((self.folder / f"left-{r}").exists() for r in range(self.local_world)):
+            shutil.rmtree(self.folder, ignore_errors=True)  # (two ranks may both see every mark)
+            with contextlib.suppress(OSError):
+                self.folder.parent.rmdir()  # fails while another node of the job still meets here

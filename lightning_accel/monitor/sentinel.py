@@ -289,6 +289,11 @@ class HangSentinel(Callback):
                 self._board.publish(self.beat())
             except Exception as error:
                 log.debug("HangSentinel: could not publish the finished beat (%s)", error)
+        if not self._hang_found:  # (a rank that found a hang exits from the watchdog: its node's folder stays)
+            try:
+                self._board.leave()
+            except OSError as error:
+                log.debug("HangSentinel: could not tidy the node's folder (%s)", error)
         if self._child_dump is not None:
             faulthandler.unregister(_CHILD_DUMP_SIGNAL)
             self._child_dump.close()

@@ -259,3 +259,30 @@ def test_leaders_that_read_the_verdict_every_few_seconds_cost_the_store_one_writ
         assert all(w.poll(beat(w.rank, t, "forward", progress=t)) is None for w in watches)
     assert store.ops == 5 * (4 + 3) + 3  # a poll: 4 node keys and the judge's check, read and post; 3 leaders' reads
     assert not any(w.board.leading for w in watches if w.rank % 8)  # no follower took a lead: its leader is alive
+
+
+def test_the_last_rank_of_a_node_to_leave_removes_its_folder_and_the_last_node_the_jobs(tmp_path):
+    """2 nodes x 3 ranks meeting under tmp_path: rank 2 finishes first and leaves, yet its finished beat still
+    reaches the judge through its node's leader (no hang named a minute later), and node 0's folder stays until
+    its last rank has left; the job's folder goes with its last node."""
+    now = [0.0]
+    _, watches = node_ranks(tmp_path, 2, 3, lambda: now[0], takeover_s=9.0)
+    job = tmp_path / "lightning_accel-sentinel-job"
+    done = beat(2, 3, "finished", progress=3, allowance_s=float("inf"))
+    for t in range(1, 4):
+        now[0] = float(t)
+        assert all(w.poll(done if w.rank == 2 and t == 3 else beat(w.rank, t, "forward", t)) is None for w in watches)
+    watches[2].board.leave()
+    for t in range(4, 64):  # the others keep training for a minute
+        now[0] = float(t)
+        assert all(w.poll(beat(w.rank, t, "forward", t)) is None for w in watches if w.rank != 2)
+    assert sorted(p.name for p in (job / "node0").iterdir()) == [
+        "beat-0.json", "beat-1.json", "beat-2.json", "left-2", "verdict.json"
+    ]  # fmt: skip
+    for rank in (1, 0):
+        assert (job / "node0").is_dir()
+        watches[rank].board.leave()
+    assert not (job / "node0").exists() and (job / "node1").is_dir()
+    for rank in (5, 3, 4):
+        watches[rank].board.leave()
+    assert list(tmp_path.iterdir()) == []

@@ -27,8 +27,11 @@ ROOT = Path(__file__).parents[2]
 
 def torchrun(out: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *extra, str(SCRIPT), str(out), mode]
+    (out / "tmp").mkdir()  # the job's temporary folder (the sentinel's node folders meet there)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "TMPDIR": str(out / "tmp")}
+        )
     except subprocess.TimeoutExpired as timeout:  # show what the job printed before it stopped answering
         output = (timeout.stdout or b"").decode(errors="replace") + (timeout.stderr or b"").decode(errors="replace")
         raise AssertionError(f"{mode}: the job did not end in 180 s; its output:\n{output[-6000:]}") from None
@@ -81,6 +84,10 @@ def test_torchrun_restarts_a_hung_job_from_its_last_checkpoint_and_it_finishes(t
     for rank in range(2):
         done = json.loads((tmp_path / f"done-rank{rank}.json").read_text())
         assert done == {"global_step": 30, "resumed_from": str(tmp_path / "ck" / "step=00000010.ckpt"), "report": False}
+    # the finished attempt's ranks removed their node's folder (the hung attempt's may stay: a rank ended on a hang
+    # never leaves it); a folder that stayed holds the beats of the ranks as they were, none finished
+    beats = [json.loads(p.read_text()) for p in (tmp_path / "tmp").glob("lightning_accel-sentinel-*/node0/beat-*.json")]
+    assert len(beats) <= 2 and all(b["phase"] != "finished" for b in beats), beats
 
 
 class Sleepy(LightningModule):

@@ -110,6 +110,8 @@ def become(request: dict, fds: list[int]) -> None:
     own_pythonpath = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(request["env"])
+    if "tempfile" in sys.modules:  # the preload may have asked for the temporary folder: the zygote's TMPDIR, cached
+        sys.modules["tempfile"].tempdir = None  # found again from this process's own, as a fresh process finds it
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():  # torch read it when this zygote imported it; a fresh process reads its own
         import torch
