@@ -12,6 +12,10 @@ dl HolisticTraceAnalysis==0.5.0 plotly pydot
 # fp8 training (Float8Training): torchao's float8 linear layers (abi3 wheel, 3 MB)
 dl torchao==0.18.0
 dl hjson annotated-types typing-inspection pydantic==2.14.4 pydantic-core==2.50.5 jsonargparse==4.53.0 docstring-parser
+# the object-storage benchmark (section 12): moto's S3 server and s3fs, the versions this project's .venv holds
+here() { .venv/bin/python -c 'import sys, importlib.metadata as m; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' "$@"; }
+dl --platform manylinux_2_34_x86_64 $(here moto boto3 botocore s3transfer jmespath xmltodict responses cryptography cffi \
+  pycparser flask flask-cors blinker itsdangerous s3fs aiobotocore aioitertools fsspec)
 # deepspeed publishes only an sdist: build a pure-Python wheel of it here (its ops compile on first use).
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8 2>/dev/null \
   || .venv/bin/python -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8

@@ -30,7 +30,11 @@ puts a modelled network between the client and the server (a proxy in a process 
 ``tests.helpers.object_stores.Link``): that bandwidth each way shared by every connection, and that latency one way,
 as between a cloud instance and its region's bucket. The PNG plots ours over the best peer for each.
 
+``--gpu`` trains on the GPU (``benchmarks/gpu_check.sh`` runs it on a lent machine), so the host's cores are left to
+the uploads, the server and the link, as on a GPU node; without it training takes both of this project's CI cores.
+
     python -m benchmarks.object_storage [--params-m 4] [--steps 40] [--every 10] [--rounds 2] [--links local,100:10]
+        [--gpu] [--out FOLDER]
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ PEERS = ("lightning_s3", "lightning_s3_async", "dcp_async_s3")
 _real_probe = bucket_module.store_checks_crc32
 
 
-def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[str, Any]:
+def fit(variant: str, hidden: int, steps: int, every: int, where: str, gpu: bool = False) -> dict[str, Any]:
     timer = StepTimes()
     callbacks: list[Callback] = [timer]
     extra: dict[str, Any] = {}
@@ -89,7 +93,7 @@ def fit(variant: str, hidden: int, steps: int, every: int, where: str) -> dict[s
         callbacks.append(DCPAsyncSave(where, every))
     stall = _time_saving_hook(callbacks[-1], every) if variant != "none" else []
     model = MomentumMLP(input_dim=hidden, hidden_dim=hidden, num_layers=3, num_classes=4)
-    trainer = quiet_trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, **extra)
+    trainer = quiet_trainer(accelerator="gpu" if gpu else "cpu", max_steps=steps, callbacks=callbacks, **extra)
     data = SyntheticClassificationDataModule(num_samples=16 * steps, input_dim=hidden, batch_size=16)
     s3_path = variant == "ours_bucket_s3_path"
     # the probe's requests are still made (S3 answers a third: the wrong CRC32 refused, the right one taken)
@@ -125,7 +129,12 @@ def parse_link(text: str) -> Link | None:
 
 
 def run(
-    params_m: float = 4, steps: int = 40, every: int = 10, rounds: int = 2, link: Link | None = None
+    params_m: float = 4,
+    steps: int = 40,
+    every: int = 10,
+    rounds: int = 2,
+    link: Link | None = None,
+    gpu: bool = False,
 ) -> dict[str, Any]:
     hidden = int((params_m * 1e6 / 3) ** 0.5)
     server = MotoServer().start()
@@ -143,7 +152,7 @@ def run(
                 fs.mkdir(bucket)
                 for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:  # alternate the order: drift cancels
                     where = str(Path(tmp) / variant) if variant == "ours_local" else f"s3://{bucket}/{variant}"
-                    fits[variant].append(fit(variant, hidden, steps, every, where))
+                    fits[variant].append(fit(variant, hidden, steps, every, where, gpu))
                     shutil.rmtree(Path(tmp) / variant, ignore_errors=True)
                 resume.append(resume_seconds(f"s3://{bucket}/ours_bucket", Path(tmp) / f"empty-{r}"))
                 os.environ["LIGHTNING_ACCEL_CACHE_DIR"] = str(Path(tmp) / "cache")
@@ -221,6 +230,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--links", default="local,100:10", help="comma-separated: local, or MB_S:LATENCY_MS")
+    p.add_argument("--gpu", action="store_true", help="train on the GPU (the host's cores left to the uploads)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = p.parse_args()
     links = {}
@@ -233,10 +243,11 @@ def main() -> None:
         if not usable:
             p.error(f"--links: {text!r} is neither 'local' nor MB_S:LATENCY_MS with MB_S > 0 (e.g. 100:10)")
         links[link_label(text)] = link
-    torch.set_num_threads(2)
+    if not args.gpu:
+        torch.set_num_threads(2)  # this project's CI machine
     results = {}
     for label, link in links.items():
-        results[label] = result = run(args.params_m, args.steps, args.every, args.rounds, link)
+        results[label] = result = run(args.params_m, args.steps, args.every, args.rounds, link, args.gpu)
         v = result["variants"]
         print(f"-- {label}")
         for name in VARIANTS:

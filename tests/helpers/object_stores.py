@@ -8,6 +8,7 @@ answer again, without losing what the server holds. Both bind 127.0.0.1 only.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import select
@@ -36,9 +37,11 @@ def _moto_command(port: int) -> list[str]:
     if exe.is_file():
         return [str(exe), "-H", "127.0.0.1", "-p", str(port)]
     found = shutil.which("moto_server")
-    if found is None:
-        raise RuntimeError("moto_server is not installed: make test installs it with the dev extra (moto[server])")
-    return [found, "-H", "127.0.0.1", "-p", str(port)]
+    if found is not None:
+        return [found, "-H", "127.0.0.1", "-p", str(port)]
+    if importlib.util.find_spec("moto") is not None:  # installed without its scripts (pip --target, on a lent GPU)
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    raise RuntimeError("moto_server is not installed: make test installs it with the dev extra (moto[server])")
 
 
 class MotoServer:
