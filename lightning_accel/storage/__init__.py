@@ -12,17 +12,14 @@ from lightning_accel.storage.node_cache import (
     node_lock,
     staging_dir,
 )
+from lightning_accel.storage.retries import Backoff, OutageLog, StoreError, retrying
 from lightning_accel.storage.transfer import (
-    Backoff,
-    OutageLog,
-    StoreError,
     abort_stale_uploads,
     confirm_upload,
     download,
     download_tree,
     for_uploads,
     remove_objects,
-    retrying,
     store_checks_crc32,
     upload,
 )

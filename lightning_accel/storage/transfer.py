@@ -4,8 +4,7 @@ An upload is confirmed when the store reports the object with the local file's s
 one, the same checksum: S3's ETag (the MD5 of a single-part object, or the MD5 of the parts' MD5s for a multipart
 one), GCS's ``md5Hash``, Azure's ``content_md5``. An S3 store that checks the CRC32 sent with an upload (S3 itself;
 :func:`store_checks_crc32` asks) is given the staged file's, and its answer confirms the bytes it received; one that
-keeps whatever it is sent (moto) is held to the MD5 in its ETag. Failures are retried with exponential backoff; an
-outage is logged once when it starts and once when it ends (:class:`OutageLog`), never once per retry.
+keeps whatever it is sent (moto) is held to the MD5 in its ETag. Callers retry through ``retries.py``.
 """
 
 from __future__ import annotations
@@ -13,37 +12,31 @@ from __future__ import annotations
 import base64
 import hashlib
 import inspect
+import io
 import logging
-import random
-import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from lightning_accel.storage.retries import BUGS, StoreError
 from lightning_accel.storage.urls import redact
 
 __all__ = [
-    "Backoff",
-    "OutageLog",
-    "StoreError",
     "abort_stale_uploads",
     "confirm_upload",
     "download",
     "download_tree",
     "for_uploads",
     "remove_objects",
-    "retrying",
     "store_checks_crc32",
     "upload",
 ]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # s3fs uploads in parts of this size (its own default, passed explicitly so the multipart ETag can be recomputed)
 PART_BYTES = 50 * 2**20
@@ -53,97 +46,6 @@ SMALL_BYTES = 2**20
 
 
 CRC_PROBE_BODY = b"does this store check the CRC32 it is sent?"
-
-# Errors of the calling code, not of the store: raised at once, never retried as an outage.
-_BUGS = (TypeError, AttributeError, NameError, AssertionError, ImportError)
-
-
-class StoreError(OSError):
-    """An object store did not take or give a file, or reported it with another size or checksum."""
-
-
-@dataclass
-class Backoff:
-    """Exponential backoff with jitter: ``first_s``, doubled after each failure up to ``cap_s``."""
-
-    first_s: float = 0.5
-    cap_s: float = 30.0
-    _next: float = field(default=0.0, init=False)
-
-    def reset(self) -> None:
-        self._next = 0.0
-
-    def delay(self) -> float:
-        """The wait before the next try (and the one after it is doubled)."""
-        self._next = self.first_s if self._next == 0 else min(self._next * 2, self.cap_s)
-        return self._next * random.uniform(0.8, 1.0)
-
-
-class OutageLog:
-    """One warning when a store stops answering, one line when it answers again: no storm of retries in the log."""
-
-    def __init__(self, store: str) -> None:
-        self.store = redact(store)
-        self.since: float | None = None
-        self.failures = 0
-
-    def failed(self, err: BaseException, doing: str) -> None:
-        self.failures += 1
-        if self.since is None:
-            self.since = time.monotonic()
-            log.warning(
-                "object store %s did not answer while %s (%s: %s); retrying with backoff, training goes on and "
-                "nothing counts as saved until it is confirmed in the store",
-                self.store,
-                doing,
-                type(err).__name__,
-                _first_line(err),
-            )
-
-    def recovered(self) -> None:
-        if self.since is not None:
-            log.warning(
-                "object store %s answers again after %.1f s (%d failed tries)",
-                self.store,
-                time.monotonic() - self.since,
-                self.failures,
-            )
-        self.since, self.failures = None, 0
-
-
-def _first_line(err: BaseException) -> str:
-    return redact(str(err).strip().splitlines()[0] if str(err).strip() else "")
-
-
-def retrying(
-    action: Callable[[], T],
-    outage: OutageLog,
-    doing: str,
-    deadline: float | None = None,
-    backoff: Backoff | None = None,
-    give_up: Callable[[], bool] = lambda: False,
-    final: tuple[type[BaseException], ...] = (),
-) -> T:
-    """``action()`` until it succeeds, with backoff; raise :class:`StoreError` past ``deadline`` (monotonic clock),
-    once ``give_up()`` says so (a newer checkpoint superseded this one, the fit ended), or at once for an error in
-    ``final`` (a bucket that does not exist is not an outage)."""
-    backoff = backoff or Backoff()
-    while True:
-        try:
-            result = action()
-        except Exception as err:
-            # each backend raises its own kinds (botocore's EndpointConnectionError is no OSError): every error of
-            # the store's call is retried, a bug of ours is not
-            if isinstance(err, _BUGS):
-                raise
-            outage.failed(err, doing)
-            wait = backoff.delay()
-            if isinstance(err, final) or give_up() or (deadline is not None and time.monotonic() + wait > deadline):
-                raise StoreError(f"{doing} on {outage.store} failed: {type(err).__name__}: {_first_line(err)}") from err
-            time.sleep(wait)
-            continue
-        outage.recovered()
-        return result
 
 
 def _md5_of(path: Path, multipart: bool) -> str:
@@ -232,11 +134,27 @@ def for_uploads(fs: AbstractFileSystem) -> AbstractFileSystem:
     body left to the requests that require one. An upload here is confirmed end to end without it (the staged
     file's CRC32, checked by the store, or the store's MD5 ETag against the staged file's); botocore's default CRC32
     would be one more pass over each file, and a slow one on a file body (read in Python: about 45 ms per 32 MB on
-    this project's 2-core CI machine). Downloads are checked by botocore as before (a separate setting)."""
+    this project's 2-core CI machine). Downloads are checked by botocore as before (a separate setting).
+
+    Its client also sends a small body (up to ``SMALL_BYTES``: a manifest, a run file) without first asking the store
+    for "100 Continue": botocore asks before every PutObject body, so that a store can refuse a large one before it
+    is sent, and for a small one that is a round trip for nothing (two of a manifest's upload on a real network)."""
     if not hasattr(fs, "call_s3"):
         return fs
     config = {**(fs.storage_options.get("config_kwargs") or {}), "request_checksum_calculation": "when_required"}
-    return type(fs)(**{**fs.storage_options, "config_kwargs": config})
+    uploads = type(fs)(**{**fs.storage_options, "config_kwargs": config})
+    # after botocore's own handler of the same event (one per client: a unique id registers once)
+    uploads.s3.meta.events.register_last("before-call.s3", _send_small_bodies_at_once, unique_id=_NO_CONTINUE)
+    return uploads
+
+
+_NO_CONTINUE = "lightning_accel.send-small-bodies-at-once"
+
+
+def _send_small_bodies_at_once(model: Any, params: dict[str, Any], **_: Any) -> None:
+    body = params.get("body")
+    if model.name == "PutObject" and isinstance(body, io.BytesIO) and len(body.getbuffer()) <= SMALL_BYTES:
+        params["headers"].pop("Expect", None)
 
 
 def store_checks_crc32(fs: AbstractFileSystem, probe: str) -> bool:
@@ -276,7 +194,7 @@ def store_checks_crc32(fs: AbstractFileSystem, probe: str) -> bool:
 def _refused_for_its_checksum(err: Exception) -> bool:
     said = " ".join(str(e) for e in (err, err.__cause__, err.__context__) if e is not None).lower()
     # S3's BadDigest, MinIO's XAmzContentChecksumMismatch; a bug of ours is never one
-    return not isinstance(err, _BUGS) and ("digest" in said or "checksum" in said)
+    return not isinstance(err, BUGS) and ("digest" in said or "checksum" in said)
 
 
 def upload(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32: bool = False) -> None:
@@ -295,7 +213,7 @@ def upload(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32:
 
 def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32: bool) -> None:
     """One ``PutObject`` whose body is read from the staged file as it is sent (no copy of it in memory; a file of up
-    to ``SMALL_BYTES`` is sent from memory, which spares the round trip botocore's "100 Continue" costs).
+    to ``SMALL_BYTES`` is sent from memory, and by :func:`for_uploads`' client without a "100 Continue" round trip).
 
     A store that checks CRC32s gets the staged file's: it refuses the object unless what it received matches, and
     answers with the value. Any other store's answer carries its ETag, the MD5 of what it kept (unencrypted, one

@@ -15,18 +15,15 @@ from types import SimpleNamespace
 import fsspec
 import pytest
 
-from lightning_accel.storage import transfer
+from lightning_accel.storage import retries, transfer
+from lightning_accel.storage.retries import Backoff, OutageLog, StoreError, retrying
 from lightning_accel.storage.transfer import (
-    Backoff,
-    OutageLog,
-    StoreError,
     abort_stale_uploads,
     confirm_upload,
     download,
     download_tree,
     for_uploads,
     remove_objects,
-    retrying,
     store_checks_crc32,
     upload,
 )
@@ -129,6 +126,30 @@ def test_an_upload_is_confirmed_and_a_store_that_keeps_other_bytes_is_caught(s3,
                     upload(damaged, staged, f"{bucket}/run/damaged.ckpt", store_checks_crc32=checks)
 
 
+def test_small_bodies_go_up_without_asking_for_100_continue_and_checkpoints_still_ask(s3, tmp_path):
+    """botocore asks the store for "100 Continue" before every PutObject body, bytes too (it wraps them in a file):
+    a round trip before the body leaves. The uploads' client sends a body of up to SMALL_BYTES (a manifest, a run file)
+    at once; a larger one still asks, so that a store can refuse a checkpoint before it is sent."""
+    fs, bucket = s3
+    uploads = for_uploads(fs)
+    asked: list[tuple[str, bytes | None]] = []
+    for client, name in ((uploads.s3, "ours"), (fs.s3, "botocore's")):
+        client.meta.events.register(
+            "before-send.s3.PutObject",
+            lambda request, name=name, **_: asked.append((name, request.headers.get("Expect"))),
+        )
+    staged = tmp_path / "run-file.json"
+    for size in (1000, transfer.SMALL_BYTES, transfer.SMALL_BYTES + 1):
+        staged.write_bytes(b"x" * size)
+        upload(uploads, staged, f"{bucket}/run/{size}")
+        assert fs.cat_file(f"{bucket}/run/{size}") == staged.read_bytes()
+    fs.pipe_file(f"{bucket}/run/plain", b"x" * 1000)
+    assert [(name, expect and bytes(expect).decode()) for name, expect in asked] == [
+        ("ours", None), ("ours", None), ("ours", "100-continue"), ("botocore's", "100-continue")
+    ]  # fmt: skip
+    assert for_uploads(fs).s3.meta.events is uploads.s3.meta.events  # (fsspec's cache: one client, one handler)
+
+
 def test_uploads_send_no_checksum_of_botocores_own_and_are_still_confirmed(s3, tmp_path):
     """botocore sends a CRC32 of its own with every upload by default (a pass over the file); the file system our
     uploads go through leaves it out, and its uploads are confirmed and refused exactly as before."""
@@ -225,7 +246,7 @@ def test_each_backends_own_report_confirms_or_refuses_an_upload(tmp_path):
 
 
 def test_retries_back_off_log_an_outage_once_and_give_up_at_the_deadline(caplog, monkeypatch):
-    monkeypatch.setattr(transfer.time, "sleep", lambda s: None)
+    monkeypatch.setattr(retries.time, "sleep", lambda s: None)
     failures = iter([ConnectionError("refused")] * 3)
 
     def flaky():
