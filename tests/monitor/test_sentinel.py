@@ -37,6 +37,12 @@ def torchrun(out: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
         raise AssertionError(f"{mode}: the job did not end in 180 s; its output:\n{output[-6000:]}") from None
 
 
+def dumps(folder: Path) -> str:
+    """The stack dumps in ``folder``, for a failure's message: a restarted attempt that hangs again overwrites the
+    first attempt's, and its loader workers' show where they are (ci44: rank 0's worker gave no batch for 60 s)."""
+    return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(folder.glob("*.txt")))
+
+
 @pytest.mark.multiprocess
 def test_a_rank_stuck_in_its_loader_worker_is_named_dumped_and_the_job_exits_in_seconds(tmp_path):
     """Rank 1's loader worker blocks in __getitem__; the case of a rank stuck in its own training_step is the
@@ -73,7 +79,7 @@ def test_torchrun_restarts_a_hung_job_from_its_last_checkpoint_and_it_finishes(t
     """Rank 1 sleeps inside training_step at step 12 in the first attempt: named in forward, its stack shows the
     line; both ranks exit 76, torchrun restarts the job, which resumes from step 10 and finishes."""
     result = torchrun(tmp_path, "step", "--max-restarts", "1")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:] + dumps(tmp_path / "ck" / "hang")
     report = json.loads((tmp_path / "ck" / "hang" / "report.json").read_text())
     assert report["stuck_ranks"] == [1]
     stuck = next(b for b in report["beats"] if b["rank"] == 1)
