@@ -30,11 +30,13 @@ puts a modelled network between the client and the server (a proxy in a process 
 ``tests.helpers.object_stores.Link``): that bandwidth each way shared by every connection, and that latency one way,
 as between a cloud instance and its region's bucket. The PNG plots ours over the best peer for each.
 
-``--gpu`` trains on the GPU (``benchmarks/gpu_check.sh`` runs it on a lent machine), so the host's cores are left to
+``--threads 1`` trains on one of the two cores and leaves the other to the uploads, the server and the link (the
+store and the network are not on a real training host's cores, and a GPU host has cores to spare). ``--gpu`` trains
+on the GPU (``benchmarks/gpu_check.sh`` runs it on a lent machine), so the host's cores are left to
 the uploads, the server and the link, as on a GPU node; without it training takes both of this project's CI cores.
 
     python -m benchmarks.object_storage [--params-m 4] [--steps 40] [--every 10] [--rounds 2] [--links local,100:10]
-        [--gpu] [--out FOLDER]
+        [--threads 2] [--gpu] [--out FOLDER] [--name object_storage]
 """
 
 from __future__ import annotations
@@ -231,7 +233,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--links", default="local,100:10", help="comma-separated: local, or MB_S:LATENCY_MS")
     p.add_argument("--gpu", action="store_true", help="train on the GPU (the host's cores left to the uploads)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads for CPU training (2: both of the CI machine's cores; 1 leaves one core to the uploads, "
+        "the server and the link, as a GPU host's spare cores would be)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
+    p.add_argument("--name", default="object_storage", help="their name (a variant's run beside the default one)")
     args = p.parse_args()
     links = {}
     for text in args.links.split(","):
@@ -243,8 +253,10 @@ def main() -> None:
         if not usable:
             p.error(f"--links: {text!r} is neither 'local' nor MB_S:LATENCY_MS with MB_S > 0 (e.g. 100:10)")
         links[link_label(text)] = link
+    if args.threads < 1:
+        p.error(f"--threads: {args.threads} is not a number of threads (1 or more)")
     if not args.gpu:
-        torch.set_num_threads(2)  # this project's CI machine
+        torch.set_num_threads(args.threads)
     results = {}
     for label, link in links.items():
         results[label] = result = run(args.params_m, args.steps, args.every, args.rounds, link, args.gpu)
@@ -262,8 +274,8 @@ def main() -> None:
             f"stall / ours local: {result['ours_bucket_stall_over_ours_local']:.2f}; "
             f"resume from the bucket on an empty machine: {result['resume_from_bucket_s']:.2f} s"
         )
-    write_json("object_storage", {"links": results}, out=args.out)
-    plot(results, args.out)
+    write_json(args.name, {"links": results, "threads": None if args.gpu else args.threads}, out=args.out)
+    plot(results, args.out, args.name)
 
 
 if __name__ == "__main__":
