@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 # s3fs uploads in parts of this size (its own default, passed explicitly so the multipart ETag can be recomputed)
 PART_BYTES = 50 * 2**20
-# Files up to this size go up from memory. botocore asks the store for "100 Continue" before sending a body read from
-# a file, whatever its size: a round trip that is most of a manifest's upload on a real network.
+# Files up to this size (a manifest, a run file) go up from memory, without the "100 Continue" round trip botocore asks
+# for before every PutObject body (for_uploads): on a real network that round trip was half of a manifest's upload.
 SMALL_BYTES = 2**20
 
 
