@@ -133,17 +133,23 @@ def test_small_bodies_go_up_without_asking_for_100_continue_and_checkpoints_stil
     fs, bucket = s3
     uploads = for_uploads(fs)
     asked: list[tuple[str, bytes | None]] = []
-    for client, name in ((uploads.s3, "ours"), (fs.s3, "botocore's")):
+    clients = ((uploads.s3, "ours"), (fs.s3, "botocore's"))  # (fsspec keeps both for the session's later tests)
+    for client, name in clients:
         client.meta.events.register(
             "before-send.s3.PutObject",
             lambda request, name=name, **_: asked.append((name, request.headers.get("Expect"))),
+            unique_id=f"test-records-{name}",
         )
-    staged = tmp_path / "run-file.json"
-    for size in (1000, transfer.SMALL_BYTES, transfer.SMALL_BYTES + 1):
-        staged.write_bytes(b"x" * size)
-        upload(uploads, staged, f"{bucket}/run/{size}")
-        assert fs.cat_file(f"{bucket}/run/{size}") == staged.read_bytes()
-    fs.pipe_file(f"{bucket}/run/plain", b"x" * 1000)
+    try:
+        staged = tmp_path / "run-file.json"
+        for size in (1000, transfer.SMALL_BYTES, transfer.SMALL_BYTES + 1):
+            staged.write_bytes(b"x" * size)
+            upload(uploads, staged, f"{bucket}/run/{size}")
+            assert fs.cat_file(f"{bucket}/run/{size}") == staged.read_bytes()
+        fs.pipe_file(f"{bucket}/run/plain", b"x" * 1000)
+    finally:
+        for client, name in clients:
+            client.meta.events.unregister("before-send.s3.PutObject", unique_id=f"test-records-{name}")
     assert [(name, expect and bytes(expect).decode()) for name, expect in asked] == [
         ("ours", None), ("ours", None), ("ours", "100-continue"), ("botocore's", "100-continue")
     ]  # fmt: skip
