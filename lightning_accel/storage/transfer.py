@@ -143,8 +143,12 @@ def for_uploads(fs: AbstractFileSystem) -> AbstractFileSystem:
         return fs
     config = {**(fs.storage_options.get("config_kwargs") or {}), "request_checksum_calculation": "when_required"}
     uploads = type(fs)(**{**fs.storage_options, "config_kwargs": config})
+    try:
+        client = uploads.s3  # (s3fs builds its client here: no request yet)
+    except Exception:  # a bad endpoint or configuration: the first call raises it again, where its caller says so
+        return uploads
     # after botocore's own handler of the same event (one per client: a unique id registers once)
-    uploads.s3.meta.events.register_last("before-call.s3", _send_small_bodies_at_once, unique_id=_NO_CONTINUE)
+    client.meta.events.register_last("before-call.s3", _send_small_bodies_at_once, unique_id=_NO_CONTINUE)
     return uploads
 
 

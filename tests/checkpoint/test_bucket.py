@@ -19,6 +19,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+import s3fs
 import torch
 from lightning.pytorch import Callback, Trainer
 
@@ -250,6 +251,11 @@ def test_bad_urls_and_unreachable_stores_are_refused_before_any_training(
         with caplog.at_level(logging.WARNING, logger="lightning_accel"):
             fit(f"s3://{bucket}/run", tmp_path, Count())
     assert not [r for r in caplog.records if "could not fetch" in r.getMessage()]  # one outage, said once
+    # a malformed endpoint: botocore refuses it when a client is built, and that is said as the store's error too
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "not a url")
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(StoreError, match=rf"cannot write to s3://{bucket}/run: .*Invalid endpoint: not a url"):
+        fit(f"s3://{bucket}/run", tmp_path, Count())
     assert steps == []  # refused at fit start: no step trained, nothing to lose
     assert not list(Path.cwd().glob("s3:*")) and not list(tmp_path.glob("s3:*"))
 
