@@ -197,16 +197,19 @@ class BucketPublisher:
         one the restart needs, first; an upload already under way finishes)."""
         self._newest_only = True
 
-    def _superseded(self, pub: Publication) -> bool:
+    def _newer(self, pub: Publication) -> int:
+        """How many checkpoints are queued behind ``pub`` (0 once it has left the queue)."""
         with self._lock:
-            return self.cancelled or (bool(self._queue) and self._queue[-1] is not pub and pub in self._queue)
+            return len(self._queue) - 1 - self._queue.index(pub) if pub in self._queue else 0
+
+    def _superseded(self, pub: Publication) -> bool:
+        return self.cancelled or self._newer(pub) > 0
 
     def _needless(self, pub: Publication) -> int:
         """How many newer checkpoints are queued behind ``pub`` when that makes its upload needless (0 when not):
         ``keep_last`` of them (retention would delete it once they are in the store), or any after
         :meth:`prefer_newest`. Never the newest: the queue always makes progress."""
-        with self._lock:
-            newer = len(self._queue) - 1 - self._queue.index(pub) if pub in self._queue else 0
+        newer = self._newer(pub)
         if newer and (self._newest_only or (self.keep_last is not None and newer >= self.keep_last)):
             return newer
         return 0
