@@ -166,33 +166,46 @@ def store_checks_crc32(fs: AbstractFileSystem, probe: str) -> bool:
     does; its answer to an upload then confirms the bytes it received. moto, for one, keeps such an object and
     reports the CRC32 it was sent: its answers are no evidence, and its uploads are held to their MD5 ETag instead.
 
-    ``probe`` is a key to test with: sent with a wrong CRC32 it must be refused for its checksum, and with the right
-    one taken (a store that refuses every CRC32 header checks none). It is written and deleted either way, so this
-    is also the proof that the store takes writes and deletes: its errors (no bucket, no right, no answer) are
-    raised. ``False`` for other stores: the MD5 path is slower, never less sure."""
+    ``probe`` names the keys to test with: sent with a wrong CRC32 (``<probe>-wrong-crc32``) the object must be
+    refused for its checksum, and with the right one (``<probe>-right-crc32``) taken; a store that refuses every
+    CRC32 header checks none. Both go at once and are deleted in one request (:func:`remove_objects`, retention's
+    own), so this is also the proof that the store takes writes and deletes: its errors (no bucket, no right, no
+    answer) are raised. ``False`` for other stores: the MD5 path is slower, never less sure."""
     if not hasattr(fs, "call_s3"):
         return False
     bucket, _, key = probe.partition("/")
+    wrong, right = f"{key}-wrong-crc32", f"{key}-right-crc32"
 
-    def put(crc32: str) -> None:
+    def put(name: str, crc32: str) -> None:
         kwargs = {"Body": CRC_PROBE_BODY, "ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32}
-        fs.call_s3("put_object", Bucket=bucket, Key=key, **kwargs)
+        fs.call_s3("put_object", Bucket=bucket, Key=name, **kwargs)
 
-    checks = False
-    try:
-        put(_as_s3_crc32(0))  # not the probe's CRC32; taken: the store keeps what it is sent
-    except Exception as err:
-        if not _refused_for_its_checksum(err):
-            raise
-        try:
-            put(_as_s3_crc32(zlib.crc32(CRC_PROBE_BODY)))
-            checks = True
-        except Exception as again:
-            if not _refused_for_its_checksum(again):
-                raise
-            fs.pipe_file(probe, CRC_PROBE_BODY)
-    fs.rm_file(probe)
+    # both at once (one round trip to the store, not two: fit start waits for this), each under its own key
+    with ThreadPoolExecutor(2, thread_name_prefix="accel-probe") as pool:
+        sent = [
+            pool.submit(put, wrong, _as_s3_crc32(0)),
+            pool.submit(put, right, _as_s3_crc32(zlib.crc32(CRC_PROBE_BODY))),
+        ]
+    wrong_error, right_error = (future.exception() for future in sent)
+    written = [wrong, right]
+    for error in (wrong_error, right_error):  # no bucket, no right to write, no answer: raised
+        if error is not None and not _refused_for_its_checksum(error):
+            _remove_quietly(fs, bucket, written)
+            raise error
+    checks = wrong_error is not None and right_error is None  # the wrong CRC32 refused, the right one taken
+    if wrong_error is not None and right_error is not None:  # every CRC32 header refused: it checks none
+        fs.pipe_file(probe, CRC_PROBE_BODY)
+        written.append(key)
+    remove_objects(fs, [f"{bucket}/{name}" for name in written])  # (a key never written counts as deleted)
     return checks
+
+
+def _remove_quietly(fs: AbstractFileSystem, bucket: str, keys: list[str]) -> None:
+    """Delete what a failed probe may have written, keeping the probe's own error the one raised."""
+    try:
+        remove_objects(fs, [f"{bucket}/{name}" for name in keys])
+    except Exception as err:  # the store's error is already on its way to the caller
+        log.debug("could not delete the probe objects %s in %s: %s", keys, redact(bucket), err)
 
 
 def _refused_for_its_checksum(err: Exception) -> bool:
@@ -296,13 +309,23 @@ def download_tree(fs: AbstractFileSystem, root: str, local: Path, keep: Callable
     returns the local paths. A name that would leave ``local`` (``..``, absolute) is never written."""
     fs.invalidate_cache(root)
     got = []
-    for key in fs.find(root):
+    for key in _files_under(fs, root):
         rel = key[len(root) :].strip("/")
         if not rel or not keep(rel) or ".." in Path(rel).parts:
             continue
         download(fs, key, local / rel)
         got.append(local / rel)
     return got
+
+
+def _files_under(fs: AbstractFileSystem, root: str) -> list[str]:
+    """Every object under ``root``; on S3 in one listing request. s3fs's ``find`` asks twice more (a HEAD and another
+    listing) when nothing is under a key, to tell a missing folder from a file, and a new run's fit start waits on
+    that: three round trips where one does."""
+    parent, _, name = root.rstrip("/").rpartition("/")
+    if hasattr(fs, "call_s3") and parent:
+        return fs.find(parent, prefix=f"{name}/")
+    return fs.find(root)
 
 
 def abort_stale_uploads(fs: AbstractFileSystem, prefix: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import threading
 import zlib
 from types import SimpleNamespace
 
@@ -277,7 +278,33 @@ def test_retries_back_off_log_an_outage_once_and_give_up_at_the_deadline(caplog,
     assert all(0.4 <= d <= 0.5 for d in delays[:1]) and all(1.6 <= d <= 2.0 for d in delays[2:])
 
 
-def test_downloads_never_leave_a_torn_file_and_stay_inside_their_folder(s3, tmp_path):
+class Recording(Corrupting):
+    """Records the S3 calls made; with ``meet``, each ``PutObject`` waits at a barrier for another one (so two of
+    them pass only if they are in flight at once)."""
+
+    def __init__(self, fs, meet: threading.Barrier | None = None) -> None:
+        super().__init__(fs, damage=lambda body: body)
+        self.calls: list[str] = []
+        self.meet = meet
+
+    def call_s3(self, method, **kwargs):
+        self.calls.append(method)
+        if method == "put_object" and self.meet is not None:
+            self.meet.wait()
+        return self.fs.call_s3(method, **kwargs)
+
+
+def test_the_fit_start_probe_is_two_round_trips_and_leaves_nothing(s3):
+    """Both CRC32 probes are in flight at once (a barrier that two sequential PUTs would break), then one delete."""
+    fs, bucket = s3
+    for store in (fs, Checking(fs)):
+        recording = Recording(store, meet=threading.Barrier(2, timeout=10))
+        store_checks_crc32(recording, f"{bucket}/probe")
+        assert recording.calls == ["put_object", "put_object", "delete_objects"]
+        assert fs.find(bucket) == []
+
+
+def test_downloads_never_leave_a_torn_file_and_stay_inside_their_folder(s3, tmp_path, monkeypatch):
     fs, bucket = s3
     fs.pipe_file(f"{bucket}/run/a.ckpt", b"x" * 100)
     fs.pipe_file(f"{bucket}/run/profile/trace.json", b"{}")
@@ -288,6 +315,21 @@ def test_downloads_never_leave_a_torn_file_and_stay_inside_their_folder(s3, tmp_
     assert (
         got == [tmp_path / "copy/profile/trace.json"] and (tmp_path / "copy/profile/trace.json").read_bytes() == b"{}"
     )
+    fs.pipe_file(f"{bucket}/run2/beside.json", b"{}")  # a folder whose name starts the same is not under run/
+    assert download_tree(fs, f"{bucket}/run", tmp_path / "again", keep=lambda rel: True) == [
+        tmp_path / "again/a.ckpt",
+        tmp_path / "again/profile/trace.json",
+    ]
+    calls, call_s3 = [], type(fs)._call_s3
+
+    async def recording(self, method, *args, **kwargs):
+        calls.append(method)
+        return await call_s3(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "_call_s3", recording)  # s3fs's own requests (find makes them inside s3fs)
+    # a new run's empty folder: one listing (s3fs's find asks three times: a HEAD and a listing more)
+    assert download_tree(fs, f"{bucket}/new-run", tmp_path / "none", keep=lambda rel: True) == []
+    assert calls == ["list_objects_v2"]
 
 
 def test_multipart_uploads_left_by_a_killed_process_are_aborted(s3):
