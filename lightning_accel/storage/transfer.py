@@ -190,7 +190,8 @@ def store_checks_crc32(fs: AbstractFileSystem, probe: str) -> bool:
     written = [wrong, right]
     for error in (wrong_error, right_error):  # no bucket, no right to write, no answer: raised
         if error is not None and not _refused_for_its_checksum(error):
-            _remove_quietly(fs, bucket, written)
+            if wrong_error is None or right_error is None:  # one was written (a store that failed both has none)
+                _remove_quietly(fs, bucket, written)
             raise error
     checks = wrong_error is not None and right_error is None  # the wrong CRC32 refused, the right one taken
     if wrong_error is not None and right_error is not None:  # every CRC32 header refused: it checks none

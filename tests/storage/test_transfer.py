@@ -294,6 +294,16 @@ class Recording(Corrupting):
         return self.fs.call_s3(method, **kwargs)
 
 
+class HalfAnswering(Recording):
+    """A store whose answer to the upload with the right CRC32 is lost (the other one is taken)."""
+
+    def call_s3(self, method, **kwargs):
+        if method == "put_object" and kwargs["Key"].endswith("-right-crc32"):
+            self.calls.append(method)
+            raise ConnectionError("no answer")
+        return super().call_s3(method, **kwargs)
+
+
 def test_the_fit_start_probe_is_two_round_trips_and_leaves_nothing(s3):
     """Both CRC32 probes are in flight at once (a barrier that two sequential PUTs would break), then one delete."""
     fs, bucket = s3
@@ -302,6 +312,14 @@ def test_the_fit_start_probe_is_two_round_trips_and_leaves_nothing(s3):
         store_checks_crc32(recording, f"{bucket}/probe")
         assert recording.calls == ["put_object", "put_object", "delete_objects"]
         assert fs.find(bucket) == []
+    recording = Recording(fs)  # no bucket: nothing was written, so no delete waits on the store before the error
+    with pytest.raises(FileNotFoundError):
+        store_checks_crc32(recording, "no-such-bucket-here/probe")
+    assert recording.calls == ["put_object", "put_object"]
+    one_fails = HalfAnswering(fs)  # one upload taken, the other cut off: that error, and the one taken is deleted
+    with pytest.raises(ConnectionError, match="no answer"):
+        store_checks_crc32(one_fails, f"{bucket}/probe")
+    assert sorted(one_fails.calls) == ["delete_objects", "put_object", "put_object"] and fs.find(bucket) == []
 
 
 def test_downloads_never_leave_a_torn_file_and_stay_inside_their_folder(s3, tmp_path, monkeypatch):
