@@ -58,6 +58,17 @@ def test_a_script_gets_its_command_folder_environment_and_paths_and_exits_with_i
     assert module.returncode == 0 and "usage" in module.stdout
 
 
+def _alive(pid: int) -> bool:
+    """Running, not a zombie. Its /proc entry can go between any two reads (reaped): gone is not alive."""
+    try:
+        state = (
+            Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        )  # (after the name, which may hold spaces)
+        return state != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_signals_reach_the_process_and_its_death_is_the_callers(zygote_on, tmp_path):
     code = (
         "import os, signal, sys, time, torch\n"
@@ -81,7 +92,7 @@ def test_signals_reach_the_process_and_its_death_is_the_callers(zygote_on, tmp_p
     proc.kill()  # SIGKILL the pid the caller knows: the process goes too
     assert proc.wait(timeout=30) == -signal.SIGKILL
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{worker}").exists() and "Z" not in Path(f"/proc/{worker}/stat").read_text().split()[2]:
+    while _alive(worker):
         assert time.monotonic() < deadline, "the forked process outlived its proxy"
         time.sleep(0.05)
 

@@ -45,7 +45,13 @@ import atexit, gc, os, sys, tempfile
 import torch, torch.distributed as dist
 
 def gloo_threads():
-    return sum(open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo") for t in os.listdir("/proc/self/task"))
+    count = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            count += open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo")
+        except FileNotFoundError:  # a thread that ended since the listing
+            pass
+    return count
 
 # atexit runs handlers last-registered-first: this one, registered before lightning_accel's hook,
 # runs after it and sees what that hook left behind.
