@@ -178,6 +178,7 @@ def run(
     def over_best(ours: str) -> float:
         return statistics.median(o["fit_s"] / p["fit_s"] for o, p in zip(fits[ours], fits[best], strict=True))
 
+    raw = {v: [f["fit_s"] for f in runs] for v, runs in fits.items()}
     return {
         "link": "local" if link is None else {"mb_s": link.mb_s, "latency_ms": link.latency_ms},
         "params_m": params_m,
@@ -189,11 +190,23 @@ def run(
         "best_peer": best,
         "ours_bucket_over_best_peer_fit": over_best("ours_bucket"),
         "ours_s3_path_over_best_peer_fit": over_best("ours_bucket_s3_path"),
+        "ours_bucket_over_best_peer_fit_quartiles": ratio_quartiles(raw["ours_bucket"], raw[best]),
+        "ours_s3_path_over_best_peer_fit_quartiles": ratio_quartiles(raw["ours_bucket_s3_path"], raw[best]),
         "ours_bucket_stall_over_ours_local": variants["ours_bucket"]["stall_ms"]
         / max(variants["ours_local"]["stall_ms"], 1e-3),
         "resume_from_bucket_s": statistics.median(resume),
-        "raw_fit_s": {v: [f["fit_s"] for f in runs] for v, runs in fits.items()},
+        "raw_fit_s": raw,
     }
+
+
+def ratio_quartiles(ours: list[float], peer: list[float]) -> list[float]:
+    """First and third quartiles of the rounds' ratios ours / peer (each round runs both back to back): how far one
+    round's ratio strays from the median, the noise a difference between two runs must exceed."""
+    ratios = [o / p for o, p in zip(ours, peer, strict=True)]
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return [q1, q3]
 
 
 def link_label(text: str) -> str:
@@ -213,14 +226,22 @@ def plot(results: dict[str, dict[str, Any]], out: Path, name: str = "object_stor
         ("ours_bucket_over_best_peer_fit", "ours on moto (MD5 confirmations)", -0.2),
         ("ours_s3_path_over_best_peer_fit", "ours on S3's path", 0.2),
     ):
-        bars = ax.bar([i + offset for i in x], [results[label][key] for label in labels], width=0.4, label=legend)
+        medians = [results[label][key] for label in labels]
+        spread = [results[label].get(f"{key}_quartiles", [m, m]) for label, m in zip(labels, medians, strict=True)]
+        errors = [
+            [m - q[0] for m, q in zip(medians, spread, strict=True)],
+            [q[1] - m for m, q in zip(medians, spread, strict=True)],
+        ]
+        bars = ax.bar([i + offset for i in x], medians, width=0.4, label=legend, yerr=errors, capsize=3)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ticks = [f"{label}\nbest peer: {PEER_NAMES[results[label]['best_peer']]}" for label in labels]
     ax.set_xticks(list(x), ticks, fontsize=8)
     ax.set_ylim(0, 1.45)
     ax.set_ylabel("fit time, ours / best peer")
-    ax.set_title(f"{name}: checkpoints to a bucket, by the network in between")
+    ax.set_title(
+        f"{name}: checkpoints to a bucket, by the network in between\n(median of the rounds; whiskers: quartiles)"
+    )
     ax.legend(fontsize=8, loc="upper right", ncols=2)
     save_figure(fig, out / f"{name}.png")
 
@@ -270,12 +291,18 @@ def main() -> None:
             )
         print(
             f"ours (bucket) / best peer ({result['best_peer']}), fit: {result['ours_bucket_over_best_peer_fit']:.3f} "
-            f"(S3's path {result['ours_s3_path_over_best_peer_fit']:.3f}); "
+            f"[quartiles {_pair(result['ours_bucket_over_best_peer_fit_quartiles'])}] "
+            f"(S3's path {result['ours_s3_path_over_best_peer_fit']:.3f} "
+            f"[{_pair(result['ours_s3_path_over_best_peer_fit_quartiles'])}]); "
             f"stall / ours local: {result['ours_bucket_stall_over_ours_local']:.2f}; "
             f"resume from the bucket on an empty machine: {result['resume_from_bucket_s']:.2f} s"
         )
     write_json(args.name, {"links": results, "threads": None if args.gpu else args.threads}, out=args.out)
     plot(results, args.out, args.name)
+
+
+def _pair(quartiles: list[float]) -> str:
+    return f"{quartiles[0]:.3f}-{quartiles[1]:.3f}"
 
 
 if __name__ == "__main__":
