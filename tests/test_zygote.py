@@ -61,12 +61,10 @@ def test_a_script_gets_its_command_folder_environment_and_paths_and_exits_with_i
 def _alive(pid: int) -> bool:
     """Running, not a zombie. Its /proc entry can go between any two reads (reaped): gone is not alive."""
     try:
-        state = (
-            Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        )  # (after the name, which may hold spaces)
-        return state != "Z"
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return False
+    return stat.rpartition(")")[2].split()[0] != "Z"  # the state follows the name, which may hold spaces
 
 
 def test_signals_reach_the_process_and_its_death_is_the_callers(zygote_on, tmp_path):
