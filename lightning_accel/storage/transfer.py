@@ -274,7 +274,10 @@ def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_c
 
 def remove_objects(fs: AbstractFileSystem, paths: list[str]) -> None:
     """Delete ``paths`` (objects, not folders): on S3 in one ``DeleteObjects`` request, elsewhere one by one in order.
-    Raise :class:`StoreError` naming the keys the store did not delete (missing ones count as deleted)."""
+    Raise :class:`StoreError` naming the keys the store did not delete (missing ones count as deleted).
+
+    An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API has none) answers it with an
+    error: the objects are then deleted one by one, in order, and only an error of those is raised."""
     if not hasattr(fs, "call_s3"):
         for path in paths:
             fs.rm_file(path)
@@ -284,7 +287,13 @@ def remove_objects(fs: AbstractFileSystem, paths: list[str]) -> None:
         raise ValueError(f"remove_objects takes the objects of one bucket, got {paths}")
     (bucket,) = buckets
     keys = [{"Key": path.partition("/")[2]} for path in paths]
-    answer = fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    try:
+        answer = fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    except OSError as err:  # (s3fs: NotImplemented or MethodNotAllowed; no bucket or no right fails again below)
+        log.debug("the store %s did not take DeleteObjects (%s): deleting one by one", redact(bucket), err)
+        for path in paths:
+            fs.rm_file(path)
+        return
     for path in paths:
         fs.invalidate_cache(path)
     if answer.get("Errors"):

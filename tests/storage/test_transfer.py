@@ -7,6 +7,7 @@ multipart uploads a killed process left are aborted. Against moto's S3 server on
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import logging
 import threading
@@ -304,6 +305,21 @@ class HalfAnswering(Recording):
         return super().call_s3(method, **kwargs)
 
 
+class WithoutMultiDelete(Recording):
+    """An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API), answering it as s3fs
+    translates the store's error: ``error``."""
+
+    def __init__(self, fs, error: OSError) -> None:
+        super().__init__(fs)
+        self.error = error
+
+    def call_s3(self, method, **kwargs):
+        if method == "delete_objects":
+            self.calls.append(method)
+            raise self.error
+        return super().call_s3(method, **kwargs)
+
+
 def test_the_fit_start_probe_is_two_round_trips_and_leaves_nothing(s3):
     """Both CRC32 probes are in flight at once (a barrier that two sequential PUTs would break), then one delete."""
     fs, bucket = s3
@@ -320,6 +336,21 @@ def test_the_fit_start_probe_is_two_round_trips_and_leaves_nothing(s3):
     with pytest.raises(ConnectionError, match="no answer"):
         store_checks_crc32(one_fails, f"{bucket}/probe")
     assert sorted(one_fails.calls) == ["delete_objects", "put_object", "put_object"] and fs.find(bucket) == []
+
+
+def test_a_store_without_delete_objects_gets_its_objects_deleted_one_by_one(s3):
+    fs, bucket = s3
+    for error in (OSError(errno.ENOSYS, "NotImplemented"), OSError(errno.EPERM, "MethodNotAllowed")):
+        store = WithoutMultiDelete(fs, error)
+        names = [f"{bucket}/run/step=00000004.ckpt.manifest.json", f"{bucket}/run/step=00000004.ckpt"]
+        for name in names:
+            fs.pipe_file(name, b"x")
+        remove_objects(store, names)
+        assert store.calls == ["delete_objects"] and not any(fs.exists(name) for name in names)
+        assert store_checks_crc32(store, f"{bucket}/probe") is False  # the fit-start probe too: nothing left
+        assert fs.find(bucket) == []
+    with pytest.raises(FileNotFoundError):  # no bucket: the one-by-one delete's own error
+        remove_objects(WithoutMultiDelete(fs, OSError(errno.EIO, "?")), ["no-such-bucket-here/a"])
 
 
 def test_downloads_never_leave_a_torn_file_and_stay_inside_their_folder(s3, tmp_path, monkeypatch):
