@@ -276,8 +276,8 @@ def remove_objects(fs: AbstractFileSystem, paths: list[str]) -> None:
     """Delete ``paths`` (objects, not folders): on S3 in one ``DeleteObjects`` request, elsewhere one by one in order.
     Raise :class:`StoreError` naming the keys the store did not delete (missing ones count as deleted).
 
-    An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API has none) answers it with an
-    error: the objects are then deleted one by one, in order, and only an error of those is raised."""
+    An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API until 2026, Riak CS) answers it
+    with an error: the objects are then deleted one by one, in order, and only an error of those is raised."""
     if not hasattr(fs, "call_s3"):
         for path in paths:
             fs.rm_file(path)

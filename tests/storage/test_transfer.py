@@ -306,7 +306,7 @@ class HalfAnswering(Recording):
 
 
 class WithoutMultiDelete(Recording):
-    """An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API), answering it as s3fs
+    """An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API until 2026), answering it as s3fs
     translates the store's error: ``error``."""
 
     def __init__(self, fs, error: OSError) -> None:
