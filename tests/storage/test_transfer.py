@@ -306,8 +306,8 @@ class HalfAnswering(Recording):
 
 
 class WithoutMultiDelete(Recording):
-    """An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API until 2026), answering it as s3fs
-    translates the store's error: ``error``."""
+    """An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API until 2026), answering it as
+    s3fs translates the store's error: ``error``."""
 
     def __init__(self, fs, error: OSError) -> None:
         super().__init__(fs)
