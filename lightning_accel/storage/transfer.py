@@ -187,26 +187,26 @@ def store_checks_crc32(fs: AbstractFileSystem, probe: str) -> bool:
             pool.submit(put, right, _as_s3_crc32(zlib.crc32(CRC_PROBE_BODY))),
         ]
     wrong_error, right_error = (future.exception() for future in sent)
-    written = [wrong, right]
+    written = [f"{bucket}/{wrong}", f"{bucket}/{right}"]
     for error in (wrong_error, right_error):  # no bucket, no right to write, no answer: raised
         if error is not None and not _refused_for_its_checksum(error):
             if wrong_error is None or right_error is None:  # one was written (a store that failed both has none)
-                _remove_quietly(fs, bucket, written)
+                _remove_quietly(fs, written)
             raise error
     checks = wrong_error is not None and right_error is None  # the wrong CRC32 refused, the right one taken
     if wrong_error is not None and right_error is not None:  # every CRC32 header refused: it checks none
         fs.pipe_file(probe, CRC_PROBE_BODY)
-        written.append(key)
-    remove_objects(fs, [f"{bucket}/{name}" for name in written])  # (a key never written counts as deleted)
+        written.append(probe)
+    remove_objects(fs, written)  # (a key never written counts as deleted)
     return checks
 
 
-def _remove_quietly(fs: AbstractFileSystem, bucket: str, keys: list[str]) -> None:
+def _remove_quietly(fs: AbstractFileSystem, paths: list[str]) -> None:
     """Delete what a failed probe may have written, keeping the probe's own error the one raised."""
     try:
-        remove_objects(fs, [f"{bucket}/{name}" for name in keys])
+        remove_objects(fs, paths)
     except Exception as err:  # the store's error is already on its way to the caller
-        log.debug("could not delete the probe objects %s in %s: %s", keys, redact(bucket), err)
+        log.debug("could not delete the probe objects %s: %s", [redact(p) for p in paths], err)
 
 
 def _refused_for_its_checksum(err: Exception) -> bool:
@@ -278,10 +278,14 @@ def remove_objects(fs: AbstractFileSystem, paths: list[str]) -> None:
 
     An S3-compatible store without ``DeleteObjects`` (Google Cloud Storage's XML API until 2026, Riak CS) answers it
     with an error: the objects are then deleted one by one, in order, and only an error of those is raised."""
-    if not hasattr(fs, "call_s3"):
-        for path in paths:
-            fs.rm_file(path)
+    if hasattr(fs, "call_s3") and _deleted_in_one_request(fs, paths):
         return
+    for path in paths:
+        fs.rm_file(path)
+
+
+def _deleted_in_one_request(fs: AbstractFileSystem, paths: list[str]) -> bool:
+    """S3's ``DeleteObjects`` of ``paths``; ``False`` when the store does not take that request."""
     buckets = {path.partition("/")[0] for path in paths}
     if len(buckets) != 1:
         raise ValueError(f"remove_objects takes the objects of one bucket, got {paths}")
@@ -289,16 +293,15 @@ def remove_objects(fs: AbstractFileSystem, paths: list[str]) -> None:
     keys = [{"Key": path.partition("/")[2]} for path in paths]
     try:
         answer = fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-    except OSError as err:  # (s3fs: NotImplemented or MethodNotAllowed; no bucket or no right fails again below)
+    except OSError as err:  # (s3fs: NotImplemented or MethodNotAllowed; no bucket or no right fails again one by one)
         log.debug("the store %s did not take DeleteObjects (%s): deleting one by one", redact(bucket), err)
-        for path in paths:
-            fs.rm_file(path)
-        return
+        return False
     for path in paths:
         fs.invalidate_cache(path)
     if answer.get("Errors"):
         failed = ", ".join(f"{e.get('Key')} ({e.get('Code')})" for e in answer["Errors"])
         raise StoreError(f"the store {redact(bucket)} did not delete {failed}")
+    return True
 
 
 def download(fs: AbstractFileSystem, remote: str, local: Path, size: int | None = None) -> None:
