@@ -175,10 +175,12 @@ def run(
         }
     best = min(PEERS, key=lambda name: variants[name]["fit_over_none"])
 
-    def over_best(ours: str) -> float:
-        return statistics.median(o["fit_s"] / p["fit_s"] for o, p in zip(fits[ours], fits[best], strict=True))
-
     raw = {v: [f["fit_s"] for f in runs] for v, runs in fits.items()}
+    # each round runs every variant back to back: ours over the best peer, round by round
+    over_best = {
+        ours: [o / p for o, p in zip(raw[ours], raw[best], strict=True)]
+        for ours in ("ours_bucket", "ours_bucket_s3_path")
+    }
     return {
         "link": "local" if link is None else {"mb_s": link.mb_s, "latency_ms": link.latency_ms},
         "params_m": params_m,
@@ -188,10 +190,10 @@ def run(
         "rounds": rounds,
         "variants": variants,
         "best_peer": best,
-        "ours_bucket_over_best_peer_fit": over_best("ours_bucket"),
-        "ours_s3_path_over_best_peer_fit": over_best("ours_bucket_s3_path"),
-        "ours_bucket_over_best_peer_fit_quartiles": ratio_quartiles(raw["ours_bucket"], raw[best]),
-        "ours_s3_path_over_best_peer_fit_quartiles": ratio_quartiles(raw["ours_bucket_s3_path"], raw[best]),
+        "ours_bucket_over_best_peer_fit": statistics.median(over_best["ours_bucket"]),
+        "ours_s3_path_over_best_peer_fit": statistics.median(over_best["ours_bucket_s3_path"]),
+        "ours_bucket_over_best_peer_fit_quartiles": quartiles(over_best["ours_bucket"]),
+        "ours_s3_path_over_best_peer_fit_quartiles": quartiles(over_best["ours_bucket_s3_path"]),
         "ours_bucket_stall_over_ours_local": variants["ours_bucket"]["stall_ms"]
         / max(variants["ours_local"]["stall_ms"], 1e-3),
         "resume_from_bucket_s": statistics.median(resume),
@@ -199,10 +201,9 @@ def run(
     }
 
 
-def ratio_quartiles(ours: list[float], peer: list[float]) -> list[float]:
-    """First and third quartiles of the rounds' ratios ours / peer (each round runs both back to back): how far one
-    round's ratio strays from the median, the noise a difference between two runs must exceed."""
-    ratios = [o / p for o, p in zip(ours, peer, strict=True)]
+def quartiles(ratios: list[float]) -> list[float]:
+    """First and third quartiles of the rounds' ratios: how far one round's ratio strays from the median, the noise a
+    difference between two runs must exceed."""
     if len(ratios) < 2:
         return [ratios[0], ratios[0]]
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
@@ -227,7 +228,7 @@ def plot(results: dict[str, dict[str, Any]], out: Path, name: str = "object_stor
         ("ours_s3_path_over_best_peer_fit", "ours on S3's path", 0.2),
     ):
         medians = [results[label][key] for label in labels]
-        spread = [results[label].get(f"{key}_quartiles", [m, m]) for label, m in zip(labels, medians, strict=True)]
+        spread = [results[label][f"{key}_quartiles"] for label in labels]
         errors = [
             [m - q[0] for m, q in zip(medians, spread, strict=True)],
             [q[1] - m for m, q in zip(medians, spread, strict=True)],
