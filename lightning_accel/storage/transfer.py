@@ -14,9 +14,11 @@ import hashlib
 import inspect
 import io
 import logging
+import threading
 import zlib
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +50,15 @@ SMALL_BYTES = 2**20
 CRC_PROBE_BODY = b"does this store check the CRC32 it is sent?"
 
 
-def _md5_of(path: Path, multipart: bool) -> str:
+def _md5_of(path: Path, multipart: bool, stop: threading.Event | None = None) -> str:
     """The MD5 the store reports for ``path``: of the whole file, or (``multipart``) S3's multipart ETag for it
-    uploaded in ``PART_BYTES`` parts (the MD5 of the parts' MD5s, then ``-<parts>``). One read either way."""
+    uploaded in ``PART_BYTES`` parts (the MD5 of the parts' MD5s, then ``-<parts>``). One read either way; ``stop``
+    set ends it at the next part (its value is then no one's)."""
     whole, parts = hashlib.md5(usedforsecurity=False), []
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(PART_BYTES), b""):
+            if stop is not None and stop.is_set():
+                return ""
             if multipart:
                 parts.append(hashlib.md5(chunk, usedforsecurity=False).digest())
             else:
@@ -61,6 +66,22 @@ def _md5_of(path: Path, multipart: bool) -> str:
     if not multipart:
         return whole.hexdigest()
     return hashlib.md5(b"".join(parts), usedforsecurity=False).hexdigest() + f"-{len(parts)}"
+
+
+@contextmanager
+def _md5_meanwhile(path: Path, multipart: bool) -> Iterator[Future[str]]:
+    """:func:`_md5_of` ``path`` on a thread of its own while the block sends it (hashlib lets go of the GIL): the
+    confirmation then waits for the slower of the two, not for both in turn. A send that fails stops the hashing at
+    its next part instead of waiting for it."""
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="accel-md5")
+    try:
+        yield pool.submit(_md5_of, path, multipart, stop)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _remote_checksum(info: dict[str, Any]) -> tuple[str, str] | None:
@@ -99,10 +120,17 @@ def _s3_info(fs: AbstractFileSystem, remote: str) -> dict[str, Any]:
     return {"size": head.get("ContentLength"), "ETag": head.get("ETag"), "crc32": head.get("ChecksumCRC32")}
 
 
-def confirm_upload(fs: AbstractFileSystem, remote: str, local: Path, store_checks_crc32: bool = False) -> None:
+def confirm_upload(
+    fs: AbstractFileSystem,
+    remote: str,
+    local: Path,
+    store_checks_crc32: bool = False,
+    multipart_etag: Future[str] | None = None,
+) -> None:
     """Raise :class:`StoreError` unless ``remote`` is in the store with ``local``'s size (and checksum, where the
     store reports one: S3's CRC32 where it checks the ones it is sent, else its MD5 ETag; GCS's MD5; Azure's
-    Content-MD5)."""
+    Content-MD5). ``multipart_etag``: the S3 multipart ETag of ``local`` in ``PART_BYTES`` parts, computed while
+    they were sent (else the file is read again for it)."""
     fs.invalidate_cache(remote)
     info = _s3_info(fs, remote) if hasattr(fs, "call_s3") else fs.info(remote)
     crc32 = info.get("crc32")  # (a store that does not check CRC32s reports the one it was sent: not evidence)
@@ -119,7 +147,9 @@ def confirm_upload(fs: AbstractFileSystem, remote: str, local: Path, store_check
     kind, value = checksum
     if kind == "etag" and "-" not in value and len(value) != 32:
         return  # not an MD5 ETag (a server-side encrypted object): the size was confirmed
-    if value != _md5_of(local, multipart=kind == "etag" and "-" in value):
+    multipart = kind == "etag" and "-" in value
+    expected = multipart_etag.result() if multipart and multipart_etag is not None else _md5_of(local, multipart)
+    if value != expected:
         raise StoreError(f"{redact(remote)}: the store's checksum {value} is not the staged file's: not confirmed")
 
 
@@ -220,13 +250,19 @@ def upload(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32:
 
     s3fs aborts its multipart upload when a part fails, so a failed try leaves no parts behind; parts left by a
     process that was killed mid-upload are aborted by :func:`abort_stale_uploads` at the next start. An S3 object of
-    one part goes up in one ``PutObject``, confirmed by the store's answer to it, without a second request.
+    one part goes up in one ``PutObject``, confirmed by the store's answer to it, without a second request. From two
+    parts' worth up s3fs sends it in parts, and the ETag they make (the MD5 of the parts' MD5s) is computed while they
+    are sent. GCS and Azure report an MD5 of some uploads only: it is asked for after.
     """
-    if hasattr(fs, "call_s3") and local.stat().st_size <= PART_BYTES:
+    if not hasattr(fs, "call_s3"):
+        fs.put_file(str(local), remote, **_put_kwargs(fs))
+        confirm_upload(fs, remote, local, store_checks_crc32)
+    elif local.stat().st_size < 2 * PART_BYTES:  # (where s3fs too sends one PutObject, but from a copy in memory)
         _put_object(fs, local, remote, store_checks_crc32)
-        return
-    fs.put_file(str(local), remote, **_put_kwargs(fs))
-    confirm_upload(fs, remote, local, store_checks_crc32)
+    else:
+        with _md5_meanwhile(local, multipart=True) as etag:
+            fs.put_file(str(local), remote, **_put_kwargs(fs))
+        confirm_upload(fs, remote, local, store_checks_crc32, multipart_etag=etag)
 
 
 def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32: bool) -> None:
@@ -251,15 +287,9 @@ def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_c
             digest = hashlib.md5(body, usedforsecurity=False).hexdigest()
             md5 = lambda: digest  # noqa: E731
     else:
-        # the MD5 an ETag is compared with is computed while the body is sent (hashlib lets go of the GIL)
-        hasher = None if store_checks_crc32 else ThreadPoolExecutor(1, thread_name_prefix="accel-md5")
-        pending = hasher.submit(_md5_of, local, False) if hasher is not None else None
-        try:
-            with open(local, "rb") as file_body:
-                answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=file_body, **checksum)
-        finally:
-            if hasher is not None:
-                hasher.shutdown()
+        hashing = nullcontext(None) if store_checks_crc32 else _md5_meanwhile(local, multipart=False)
+        with hashing as pending, open(local, "rb") as file_body:
+            answer = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=file_body, **checksum)
         md5 = pending.result if pending is not None else None
     fs.invalidate_cache(remote)
     if store_checks_crc32 and answer.get("ChecksumCRC32") == checksum["ChecksumCRC32"]:

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import logging
 import threading
+import time
 import zlib
 from types import SimpleNamespace
 
@@ -396,3 +397,83 @@ def test_multipart_uploads_left_by_a_killed_process_are_aborted(s3):
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
     assert abort_stale_uploads(fs, f"{bucket}/run") == 0
     assert abort_stale_uploads(fsspec.filesystem("memory"), "anything") == 0  # stores that keep no parts
+
+
+class PutFile:
+    """s3fs's ``put_file`` (a checkpoint over ``PART_BYTES``) meeting the hashing thread at ``barrier`` before it sends,
+    and sending ``damage`` of the file instead of the file where given."""
+
+    def __init__(self, fs, barrier: threading.Barrier, damage=None) -> None:
+        self.fs, self.barrier, self.damage = fs, barrier, damage
+
+    def put_file(self, lpath, rpath, **kwargs):
+        self.barrier.wait()
+        if self.damage is not None:
+            sent = f"{lpath}.sent"
+            with open(lpath, "rb") as f, open(sent, "wb") as out:
+                out.write(self.damage(f.read()))
+            lpath = sent
+        return self.fs.put_file(lpath, rpath, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+def test_a_checkpoint_sent_in_parts_is_confirmed_by_an_etag_computed_while_it_is_sent(s3, tmp_path, monkeypatch):
+    """Below two parts' worth a checkpoint goes up in one ``PutObject`` streamed from the file (s3fs would read it
+    into memory first); from there in parts through s3fs, its ETag the MD5 of the parts' MD5s. That ETag is computed
+    while the parts are sent: the send and the hash meet at a barrier, which a hash after the send never reaches. A
+    store that keeps other bytes is still caught."""
+    fs, bucket = s3
+    monkeypatch.setattr(transfer, "PART_BYTES", 5 * 2**20)  # S3's smallest part
+    staged = tmp_path / "step=00000004.ckpt"
+    staged.write_bytes(bytes(range(256)) * (9 * 2**20 // 256))
+    kinds = BodyKinds(fs)
+    upload(kinds, staged, f"{bucket}/run/one-put.ckpt", store_checks_crc32=True)
+    assert kinds.kinds == ["file"] and fs.cat_file(f"{bucket}/run/one-put.ckpt") == staged.read_bytes()
+
+    staged.write_bytes(bytes(range(256)) * (11 * 2**20 // 256))
+    real_md5_of = transfer._md5_of
+    for checks, damage in ((False, None), (True, None), (False, flip_a_byte), (True, lambda body: body[:-10])):
+        barrier = threading.Barrier(2, timeout=20)
+
+        def md5_of(path, multipart, stop=None, barrier=barrier):
+            barrier.wait()
+            return real_md5_of(path, multipart, stop)
+
+        monkeypatch.setattr(transfer, "_md5_of", md5_of)
+        remote = f"{bucket}/run/{'damaged' if damage else 'parts'}.ckpt"
+        if damage is not None:
+            with pytest.raises(StoreError, match=r"(checksum [0-9a-f]{32}-3 is not|holds 11534326 bytes)"):
+                upload(PutFile(fs, barrier, damage), staged, remote, store_checks_crc32=checks)
+            continue
+        upload(PutFile(fs, barrier), staged, remote, store_checks_crc32=checks)
+        assert fs.cat_file(remote) == staged.read_bytes()
+        assert fs.info(remote, refresh=True)["ETag"].strip('"').endswith("-3")
+
+
+def test_a_send_that_fails_does_not_wait_for_the_hash_that_went_with_it(tmp_path, monkeypatch):
+    """The send's error is raised at once, and the hashing thread stops at its next part instead of reading the rest
+    of the file (here it waits for the stop; a hash that was never stopped would go on to the end)."""
+    monkeypatch.setattr(transfer, "PART_BYTES", 2**20)
+    staged = tmp_path / "step=00000004.ckpt"
+    staged.write_bytes(b"\0" * 3 * 2**20)
+    real_md5_of, hashed = transfer._md5_of, []
+
+    def md5_of(path, multipart, stop=None):
+        stop.wait(10)
+        hashed.append(real_md5_of(path, multipart, stop))
+
+    def refused(*args, **kwargs):
+        raise OSError("AccessDenied")
+
+    monkeypatch.setattr(transfer, "_md5_of", md5_of)
+    store = SimpleNamespace(call_s3=None, put_file=refused)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="AccessDenied"):
+        upload(store, staged, "bucket/run/step=00000004.ckpt")
+    assert time.monotonic() - started < 5
+    for thread in threading.enumerate():
+        if thread.name.startswith("accel-md5"):
+            thread.join(timeout=20)
+    assert hashed == [""]
