@@ -28,6 +28,7 @@ from lightning_accel.data.global_order import (
     slots_per_rank,
 )
 from lightning_accel.data.seeding import PerSampleSeed, tag_epochs
+from lightning_accel.data.worker_handoff import check_worker_handoff
 
 __all__ = ["ResumableDataLoader", "ResumableSampler"]
 
@@ -178,6 +179,7 @@ class ResumableDataLoader(DataLoader):
         self._resume_at: dict[str, int] | None = None  # a loaded state, applied when the next epoch starts
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        check_worker_handoff("ResumableDataLoader", self.num_workers)  # before a worker starts: no silent wait
         world_size = self.sampler.world_size
         start = self._start_slot(world_size)
         self.sampler.start_next_epoch_at(start)

@@ -24,6 +24,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_accel.contracts import is_stateful
+from lightning_accel.data.worker_handoff import check_worker_handoff
 from lightning_accel.ranks import current_rank, for_rank, gather_from_ranks
 
 __all__ = ["ResumableStreamLoader"]
@@ -94,6 +95,7 @@ class ResumableStreamLoader(StatefulDataLoader):
         self._before_pull: Any = None  # the loader's state right before the latest batch was pulled
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        check_worker_handoff("ResumableStreamLoader", self.num_workers)  # before a worker starts: no silent wait
         return self._tracked(super().__iter__())
 
     def _tracked(self, batches: Iterator[Any]) -> Iterator[Any]:

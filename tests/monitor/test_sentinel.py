@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +27,21 @@ SCRIPT = Path(__file__).parent / "hang_run.py"
 ROOT = Path(__file__).parents[2]
 
 
-def torchrun(out: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
+@pytest.fixture
+def job_tmp():
+    """The job's temporary folder (the sentinel's node folders meet there). A short path of its own: loader workers
+    hand batches over through a Unix socket under it, whose path may have 107 bytes. Under tmp_path the path reached
+    108 once pytest's folders were numbered from pytest-100 on, and every first batch waited forever (ci44, and two
+    runs of five in a row here): lightning_accel/data/worker_handoff.py now refuses such a folder before training."""
+    folder = Path(tempfile.mkdtemp(prefix="sentinel-job-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def torchrun(out: Path, tmp: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *extra, str(SCRIPT), str(out), mode]
-    (out / "tmp").mkdir()  # the job's temporary folder (the sentinel's node folders meet there)
     try:
-        return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "TMPDIR": str(out / "tmp")}
-        )
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "TMPDIR": str(tmp)})
     except subprocess.TimeoutExpired as timeout:  # show what the job printed before it stopped answering
         output = (timeout.stdout or b"").decode(errors="replace") + (timeout.stderr or b"").decode(errors="replace")
         raise AssertionError(f"{mode}: the job did not end in 180 s; its output:\n{output[-6000:]}") from None
@@ -44,11 +54,11 @@ def dumps(folder: Path) -> str:
 
 
 @pytest.mark.multiprocess
-def test_a_rank_stuck_in_its_loader_worker_is_named_dumped_and_the_job_exits_in_seconds(tmp_path):
+def test_a_rank_stuck_in_its_loader_worker_is_named_dumped_and_the_job_exits_in_seconds(tmp_path, job_tmp):
     """Rank 1's loader worker blocks in __getitem__; the case of a rank stuck in its own training_step is the
     first attempt of the restart test below."""
     mode, phase = "loader", "data"
-    result = torchrun(tmp_path, mode)
+    result = torchrun(tmp_path, job_tmp, mode)
     ended = time.time()
     output = result.stdout + result.stderr
     assert result.returncode != 0
@@ -75,10 +85,10 @@ def test_a_rank_stuck_in_its_loader_worker_is_named_dumped_and_the_job_exits_in_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_torchrun_restarts_a_hung_job_from_its_last_checkpoint_and_it_finishes(tmp_path):
+def test_torchrun_restarts_a_hung_job_from_its_last_checkpoint_and_it_finishes(tmp_path, job_tmp):
     """Rank 1 sleeps inside training_step at step 12 in the first attempt: named in forward, its stack shows the
     line; both ranks exit 76, torchrun restarts the job, which resumes from step 10 and finishes."""
-    result = torchrun(tmp_path, "step", "--max-restarts", "1")
+    result = torchrun(tmp_path, job_tmp, "step", "--max-restarts", "1")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:] + dumps(tmp_path / "ck" / "hang")
     report = json.loads((tmp_path / "ck" / "hang" / "report.json").read_text())
     assert report["stuck_ranks"] == [1]
@@ -92,7 +102,7 @@ def test_torchrun_restarts_a_hung_job_from_its_last_checkpoint_and_it_finishes(t
         assert done == {"global_step": 30, "resumed_from": str(tmp_path / "ck" / "step=00000010.ckpt"), "report": False}
     # the finished attempt's ranks removed their node's folder (the hung attempt's may stay: a rank ended on a hang
     # never leaves it); a folder that stayed holds the beats of the ranks as they were, none finished
-    beats = [json.loads(p.read_text()) for p in (tmp_path / "tmp").glob("lightning_accel-sentinel-*/node0/beat-*.json")]
+    beats = [json.loads(p.read_text()) for p in job_tmp.glob("lightning_accel-sentinel-*/node0/beat-*.json")]
     assert len(beats) <= 2 and all(b["phase"] != "finished" for b in beats), beats
 
 
