@@ -71,17 +71,23 @@ def _md5_of(path: Path, multipart: bool, stop: threading.Event | None = None) ->
 @contextmanager
 def _md5_meanwhile(path: Path, multipart: bool) -> Iterator[Future[str]]:
     """:func:`_md5_of` ``path`` on a thread of its own while the block sends it (hashlib lets go of the GIL): the
-    confirmation then waits for the slower of the two, not for both in turn. A send that fails stops the hashing at
-    its next part instead of waiting for it."""
-    stop = threading.Event()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="accel-md5")
+    confirmation then waits for the slower of the two, not for both in turn. A block that fails (the send, or a
+    confirmation inside it) stops the hashing at its next part instead of waiting for it."""
+    stop, result = threading.Event(), Future()
+
+    def run() -> None:
+        try:
+            result.set_result(_md5_of(path, multipart, stop))
+        except BaseException as err:  # (the file gone: the caller's result() raises it)
+            result.set_exception(err)
+
+    # a daemon thread: the hash of a large file never holds the process past its exit (a preemption's deadline)
+    threading.Thread(target=run, name="accel-md5", daemon=True).start()
     try:
-        yield pool.submit(_md5_of, path, multipart, stop)
+        yield result
     except BaseException:
         stop.set()
         raise
-    finally:
-        pool.shutdown(wait=False)
 
 
 def _remote_checksum(info: dict[str, Any]) -> tuple[str, str] | None:
@@ -262,7 +268,7 @@ def upload(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32:
     else:
         with _md5_meanwhile(local, multipart=True) as etag:
             fs.put_file(str(local), remote, **_put_kwargs(fs))
-        confirm_upload(fs, remote, local, store_checks_crc32, multipart_etag=etag)
+            confirm_upload(fs, remote, local, store_checks_crc32, multipart_etag=etag)
 
 
 def _put_object(fs: AbstractFileSystem, local: Path, remote: str, store_checks_crc32: bool) -> None:

@@ -452,15 +452,18 @@ def test_a_checkpoint_sent_in_parts_is_confirmed_by_an_etag_computed_while_it_is
         assert fs.info(remote, refresh=True)["ETag"].strip('"').endswith("-3")
 
 
-def test_a_send_that_fails_does_not_wait_for_the_hash_that_went_with_it(tmp_path, monkeypatch):
-    """The send's error is raised at once, and the hashing thread stops at its next part instead of reading the rest
-    of the file (here it waits for the stop; a hash that was never stopped would go on to the end)."""
+@pytest.mark.parametrize("fails", ["send", "confirmation"])
+def test_a_send_that_fails_does_not_wait_for_the_hash_that_went_with_it(tmp_path, monkeypatch, fails):
+    """The error of the send (or of the store's report after it) is raised at once, and the hashing thread, a daemon
+    that never holds the process past its exit, stops at its next part instead of reading the rest of the file (here
+    it waits for the stop; a hash that was never stopped would go on to the end)."""
     monkeypatch.setattr(transfer, "PART_BYTES", 2**20)
     staged = tmp_path / "step=00000004.ckpt"
     staged.write_bytes(b"\0" * 3 * 2**20)
-    real_md5_of, hashed = transfer._md5_of, []
+    real_md5_of, hashed, daemons = transfer._md5_of, [], []
 
     def md5_of(path, multipart, stop=None):
+        daemons.append(threading.current_thread().daemon)
         stop.wait(10)
         hashed.append(real_md5_of(path, multipart, stop))
 
@@ -468,7 +471,9 @@ def test_a_send_that_fails_does_not_wait_for_the_hash_that_went_with_it(tmp_path
         raise OSError("AccessDenied")
 
     monkeypatch.setattr(transfer, "_md5_of", md5_of)
-    store = SimpleNamespace(call_s3=None, put_file=refused)
+    store = SimpleNamespace(invalidate_cache=lambda path: None, call_s3=refused, put_file=lambda *a, **k: None)
+    if fails == "send":
+        store.put_file = refused
     started = time.monotonic()
     with pytest.raises(OSError, match="AccessDenied"):
         upload(store, staged, "bucket/run/step=00000004.ckpt")
@@ -476,4 +481,4 @@ def test_a_send_that_fails_does_not_wait_for_the_hash_that_went_with_it(tmp_path
     for thread in threading.enumerate():
         if thread.name.startswith("accel-md5"):
             thread.join(timeout=20)
-    assert hashed == [""]
+    assert hashed == [""] and daemons == [True]
