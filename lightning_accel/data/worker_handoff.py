@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import multiprocessing.util
 import os
+from typing import Any
 
 import torch.multiprocessing
 
-__all__ = ["SOCKET_PATH_MAX", "check_worker_handoff"]
+__all__ = ["SOCKET_PATH_MAX", "check_loaders", "check_worker_handoff"]
 
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path on Linux (sun_path is 108, with its terminating NUL)
 _SOCKET_NAME = len("/listener-XXXXXXXX")  # what the listener adds to multiprocessing's folder
@@ -39,3 +40,15 @@ def check_worker_handoff(loader: str, num_workers: int) -> None:
             "TMPDIR to a shorter folder (such as /tmp), or call "
             "torch.multiprocessing.set_sharing_strategy('file_system') before training"
         )
+
+
+def check_loaders(loaders: Any) -> None:
+    """:func:`check_worker_handoff` for every loader in ``loaders``: one, or a dict, list or tuple of them, as
+    Lightning's ``trainer.train_dataloader`` gives them (anything with an integer ``num_workers`` counts)."""
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        for loader in loaders:
+            check_loaders(loader)
+    elif isinstance(getattr(loaders, "num_workers", None), int):
+        check_worker_handoff(type(loaders).__name__, loaders.num_workers)

@@ -31,6 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_accel._compat import default_store, nccl_flight_recorder_dump
+from lightning_accel.data.worker_handoff import check_loaders
 from lightning_accel.monitor.allowance import Allowance
 from lightning_accel.monitor.heartbeat import Beat, Board, HangReport, LocalBoard, StoreBoard, Watch
 from lightning_accel.monitor.node_board import NodeBoard, node_folder
@@ -204,6 +205,10 @@ class HangSentinel(Callback):
             lead_takeover_s=self.takeover_s / (local_world + 1),  # a node changes leader before the job its judge
             verdict_every_s=VERDICT_EVERY_S,
         )
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        check_loaders(trainer.train_dataloader)  # a first batch that can never come: an error now, not a hang later
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
