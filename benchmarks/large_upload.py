@@ -35,7 +35,7 @@ import fsspec
 import s3fs
 
 from benchmarks.harness import RESULTS, save_figure, write_json
-from benchmarks.object_storage import link_label, parse_link, quartiles
+from benchmarks.object_storage import link_label, parse_link, quartiles, quartiles_text
 from lightning_accel.figures import pyplot
 from lightning_accel.storage import for_uploads, transfer
 from tests.helpers.object_stores import Link, LinkProcess, MotoServer, s3_env
@@ -139,9 +139,9 @@ def main() -> None:
         print(f"-- {label}: " + "  ".join(f"{v} {s[v]:.2f} s ({result['mb_per_s'][v]:.0f} MB/s)" for v in VARIANTS))
         print(
             f"   ours / lightning {result['ours_over_lightning']:.3f} "
-            f"[quartiles {'-'.join(f'{q:.3f}' for q in result['ours_over_lightning_quartiles'])}], "
+            f"[quartiles {quartiles_text(result['ours_over_lightning_quartiles'])}], "
             f"ours / ours with the MD5 after the send {result['ours_over_ours_md5_after']:.3f} "
-            f"[{'-'.join(f'{q:.3f}' for q in result['ours_over_ours_md5_after_quartiles'])}]"
+            f"[{quartiles_text(result['ours_over_ours_md5_after_quartiles'])}]"
         )
     write_json(args.name, {"links": results}, out=args.out)
     plot(results, args.out, args.name)

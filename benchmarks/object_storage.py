@@ -292,9 +292,9 @@ def main() -> None:
             )
         print(
             f"ours (bucket) / best peer ({result['best_peer']}), fit: {result['ours_bucket_over_best_peer_fit']:.3f} "
-            f"[quartiles {_pair(result['ours_bucket_over_best_peer_fit_quartiles'])}] "
+            f"[quartiles {quartiles_text(result['ours_bucket_over_best_peer_fit_quartiles'])}] "
             f"(S3's path {result['ours_s3_path_over_best_peer_fit']:.3f} "
-            f"[{_pair(result['ours_s3_path_over_best_peer_fit_quartiles'])}]); "
+            f"[{quartiles_text(result['ours_s3_path_over_best_peer_fit_quartiles'])}]); "
             f"stall / ours local: {result['ours_bucket_stall_over_ours_local']:.2f}; "
             f"resume from the bucket on an empty machine: {result['resume_from_bucket_s']:.2f} s"
         )
@@ -302,7 +302,8 @@ def main() -> None:
     plot(results, args.out, args.name)
 
 
-def _pair(quartiles: list[float]) -> str:
+def quartiles_text(quartiles: list[float]) -> str:
+    """``0.830-0.876``: a pair of quartiles as the printouts give them."""
     return f"{quartiles[0]:.3f}-{quartiles[1]:.3f}"
 
 
